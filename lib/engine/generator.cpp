@@ -1,0 +1,154 @@
+#include "engine/generator.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "common/error.h"
+
+namespace dmi::engine {
+
+namespace {
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+Generator::Generator(model::CausalLM& model, GenerateOptions opts) : model_(model), opts_(std::move(opts)) {
+  DMI_CHECK(opts_.batch_size >= 1, "batch size must be at least 1");
+  DMI_CHECK(opts_.max_new_tokens >= 0, "max new tokens must be non-negative");
+}
+
+std::vector<SequenceResult> Generator::generate(const std::vector<std::vector<std::int32_t>>& prompts) {
+  const auto& cfg = model_.config();
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    DMI_CHECK(!prompts[i].empty(), "prompt {} has no tokens", i);
+    DMI_CHECK(static_cast<std::int64_t>(prompts[i].size()) < cfg.max_position_embeddings,
+              "prompt {} has {} tokens; the model's context is {} (max_position_embeddings)", i, prompts[i].size(),
+              cfg.max_position_embeddings);
+    for (auto id : prompts[i])
+      DMI_CHECK(id >= 0 && id < cfg.vocab_size, "prompt {}: token id {} is out of range (vocab_size {})", i, id,
+                cfg.vocab_size);
+  }
+  std::vector<SequenceResult> out(prompts.size());
+  for (std::size_t first = 0; first < prompts.size(); first += opts_.batch_size) {
+    if (opts_.stop && opts_.stop->load()) {
+      for (std::size_t i = first; i < prompts.size(); ++i) {
+        out[i].prompt_ids = prompts[i];
+        out[i].finish_reason = "interrupted";
+      }
+      break;
+    }
+    run_batch(prompts, first, out);
+    if (opts_.on_progress) opts_.on_progress(std::min(prompts.size(), first + opts_.batch_size), prompts.size());
+  }
+  return out;
+}
+
+void Generator::run_batch(const std::vector<std::vector<std::int32_t>>& prompts, std::size_t first,
+                          std::vector<SequenceResult>& out) {
+  const std::size_t n = std::min<std::size_t>(opts_.batch_size, prompts.size() - first);
+  const std::int64_t B = static_cast<std::int64_t>(n);
+  const std::int64_t ctx = model_.config().max_position_embeddings;
+  std::int64_t T = 0;
+  for (std::size_t b = 0; b < n; ++b) T = std::max<std::int64_t>(T, prompts[first + b].size());
+  // Each sequence may generate until max_new_tokens or the model's context.
+  std::vector<std::int64_t> budget(n);
+  std::int64_t steps = 0;
+  for (std::size_t b = 0; b < n; ++b) {
+    budget[b] = std::min<std::int64_t>(opts_.max_new_tokens, ctx - prompts[first + b].size());
+    steps = std::max(steps, budget[b]);
+  }
+  const std::int64_t capacity = T + std::max<std::int64_t>(steps, 1);
+
+  // Left padding: sequence b's prompt occupies cache columns [pad_b, T).
+  at::Tensor ids = at::zeros({B, T}, at::kLong);
+  at::Tensor positions = at::zeros({B, T}, at::kLong);
+  at::Tensor key_valid = at::zeros({B, capacity}, at::kBool);
+  std::vector<std::int64_t> len(n);
+  {
+    auto ids_a = ids.accessor<std::int64_t, 2>();
+    auto pos_a = positions.accessor<std::int64_t, 2>();
+    auto kv_a = key_valid.accessor<bool, 2>();
+    for (std::size_t b = 0; b < n; ++b) {
+      const auto& p = prompts[first + b];
+      len[b] = static_cast<std::int64_t>(p.size());
+      const std::int64_t pad = T - len[b];
+      for (std::int64_t t = 0; t < len[b]; ++t) {
+        ids_a[b][pad + t] = p[t];
+        pos_a[b][pad + t] = t;
+        kv_a[b][pad + t] = true;
+      }
+      out[first + b].prompt_ids = p;
+      timings_.prefill_tokens += len[b];
+    }
+  }
+  model::KVCache cache = model_.new_cache(B, capacity);
+  std::vector<Sampler> samplers;
+  for (std::size_t b = 0; b < n; ++b) samplers.emplace_back(opts_.sampling, first + b);
+  std::vector<bool> done(n, false);
+  auto is_eos = [&](std::int32_t id) {
+    return std::find(opts_.eos_ids.begin(), opts_.eos_ids.end(), id) != opts_.eos_ids.end();
+  };
+
+  double t0 = now();
+  model::ForwardInput in{ids, positions, key_valid.narrow(1, 0, T), 0, false};
+  at::Tensor logits = model_.forward(in, cache, opts_.observer);  // [B, 1, V]
+  double t1 = now();
+  timings_.prefill_seconds += t1 - t0;
+
+  std::size_t remaining = n;
+  for (std::size_t b = 0; b < n; ++b)
+    if (budget[b] <= 0) {
+      done[b] = true;
+      out[first + b].finish_reason = "context";
+      --remaining;
+    }
+  at::Tensor next_ids = at::zeros({B, 1}, at::kLong);
+  at::Tensor next_pos = at::zeros({B, 1}, at::kLong);
+  for (std::int64_t step = 0; remaining > 0; ++step) {
+    at::Tensor rows = logits.select(1, 0).contiguous();  // [B, V]
+    auto nid = next_ids.accessor<std::int64_t, 2>();
+    auto npos = next_pos.accessor<std::int64_t, 2>();
+    for (std::size_t b = 0; b < n; ++b) {
+      if (done[b]) continue;
+      at::Tensor row = rows[b];
+      if (opts_.on_logits) opts_.on_logits(first + b, step, row);
+      std::int32_t tok = samplers[b].next(row);
+      auto& r = out[first + b];
+      r.output_ids.push_back(tok);
+      ++timings_.decode_tokens;
+      nid[b][0] = tok;
+      npos[b][0] = len[b] + step;
+      const std::int64_t made = static_cast<std::int64_t>(r.output_ids.size());
+      const char* why = nullptr;
+      if (is_eos(tok)) why = "eos";
+      else if (made >= opts_.max_new_tokens) why = "length";
+      else if (made >= budget[b]) why = "context";
+      if (why) {
+        r.finish_reason = why;
+        done[b] = true;
+        --remaining;
+      }
+    }
+    if (remaining == 0) break;
+    if (opts_.stop && opts_.stop->load()) {
+      for (std::size_t b = 0; b < n; ++b)
+        if (!done[b]) out[first + b].finish_reason = "interrupted";
+      break;
+    }
+    // Finished sequences keep riding along (their rows are ignored) so the
+    // batch shape stays fixed; only live sequences' new columns become valid.
+    const std::int64_t col = T + step;
+    {
+      auto kv_a = key_valid.accessor<bool, 2>();
+      for (std::size_t b = 0; b < n; ++b) kv_a[b][col] = !done[b];
+    }
+    model::ForwardInput dec{next_ids, next_pos, key_valid.narrow(1, 0, col + 1), col, false};
+    logits = model_.forward(dec, cache, opts_.observer);
+  }
+  timings_.decode_seconds += now() - t1;
+}
+
+}  // namespace dmi::engine

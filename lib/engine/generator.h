@@ -1,0 +1,59 @@
+// Batched generation over a CausalLM: left-padded prefill into a
+// preallocated KV cache, then one decode step per new token.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "engine/sampler.h"
+#include "model/causal_lm.h"
+
+namespace dmi::engine {
+
+struct GenerateOptions {
+  std::int64_t max_new_tokens = 32;
+  std::int64_t batch_size = 1;
+  SamplingOptions sampling;
+  std::vector<std::int64_t> eos_ids;  // generation of a sequence stops at any of these
+  // Called with each sequence's logits row [vocab] (float32) before the token
+  // at `step` (0 = the first generated token) is chosen. For tests and tools.
+  std::function<void(std::size_t seq, std::int64_t step, const at::Tensor& logits)> on_logits;
+  // Called after each batch: (sequences done, total).
+  std::function<void(std::size_t, std::size_t)> on_progress;
+  // Set from another thread (a signal handler) to stop after the current step.
+  const std::atomic<bool>* stop = nullptr;
+  hooks::Observer* observer = nullptr;
+};
+
+struct SequenceResult {
+  std::vector<std::int32_t> prompt_ids;
+  std::vector<std::int32_t> output_ids;
+  std::string finish_reason;  // "eos", "length", "context" or "interrupted"
+};
+
+struct Timings {
+  std::int64_t prefill_tokens = 0, decode_tokens = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+};
+
+class Generator {
+ public:
+  Generator(model::CausalLM& model, GenerateOptions opts);
+  // Prompts are token ids, already checked against the vocabulary.
+  std::vector<SequenceResult> generate(const std::vector<std::vector<std::int32_t>>& prompts);
+  const Timings& timings() const { return timings_; }
+
+ private:
+  void run_batch(const std::vector<std::vector<std::int32_t>>& prompts, std::size_t first,
+                 std::vector<SequenceResult>& out);
+  model::CausalLM& model_;
+  GenerateOptions opts_;
+  Timings timings_;
+};
+
+}  // namespace dmi::engine

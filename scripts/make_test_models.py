@@ -3,8 +3,8 @@
 
   /usr/bin/python3 scripts/make_test_models.py OUT_DIR
 
-Writes one HF-style directory per case (config.json, safetensors, a copy of
-the default model's tokenizer.json) covering all four architectures, grouped-
+Writes one HF-style directory per case (config.json, safetensors, a byte-level
+tokenizer.json with one token per byte) covering all four architectures, grouped-
 query attention, tied and untied embeddings, F32/F16/BF16 files, sharded and
 single files, misaligned tensor data, rope_scaling (linear, llama3) and the
 newer rope_parameters form, Qwen2 biases, Qwen3 q/k norms and Mistral's
@@ -14,13 +14,13 @@ which the C++ tests compare against.
 """
 import json
 import os
-import shutil
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dmi_reference as ref  # noqa: E402
+import train_default_model as tdm  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 VOCAB = 256
@@ -117,8 +117,19 @@ def write_model(out, name, spec, gen):
             weight_map.update({n: fn for n in part})
         with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f, indent=1)
-    shutil.copy(os.path.join(ROOT, "data", "default-model", "tokenizer.json"), os.path.join(d, "tokenizer.json"))
+    with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(byte_tokenizer(), f, ensure_ascii=False)
     return d
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer with exactly the 256 byte tokens (ids 0-255
+    in GPT-2's byte order) and no merges: any text fits the test vocabulary."""
+    b2u = tdm.bytes_to_unicode()
+    tj = tdm.tokenizer_json([b2u[b] for b in range(256)], [])
+    tj["added_tokens"] = []
+    tj["model"]["vocab"] = {b2u[b]: b for b in range(256)}
+    return tj
 
 
 def reference_outputs(d):

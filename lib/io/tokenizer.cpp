@@ -250,6 +250,7 @@ struct Tokenizer::Impl {
   std::unique_ptr<Regex> added_regex;
   std::unordered_map<std::string, std::size_t> added_index;
   std::vector<bool> special;
+  bool clean_up_spaces = false;  // tokenizer_config.json's clean_up_tokenization_spaces
   // cache of BPE results per pre-token
   mutable std::mutex cache_mu;
   mutable std::unordered_map<std::string, std::vector<std::int32_t>> cache;
@@ -684,7 +685,23 @@ Tokenizer Tokenizer::load(const std::string& path) {
   DMI_CHECK(f, "{}: cannot read tokenizer", path);
   std::stringstream ss;
   ss << f.rdbuf();
-  return parse(ss.str(), path);
+  Tokenizer t = parse(ss.str(), path);
+  // Decoding options Hugging Face keeps in tokenizer_config.json beside it.
+  const auto slash = path.rfind('/');
+  const std::string cfg_path = (slash == std::string::npos ? std::string() : path.substr(0, slash + 1)) +
+                               "tokenizer_config.json";
+  std::ifstream cf(cfg_path, std::ios::binary);
+  if (cf) {
+    json c;
+    try {
+      c = json::parse(cf);
+    } catch (const json::exception& e) {
+      DMI_FAIL("{}: malformed JSON: {}", cfg_path, e.what());
+    }
+    if (c.is_object() && c.contains("clean_up_tokenization_spaces") && c["clean_up_tokenization_spaces"].is_boolean())
+      t.impl_->clean_up_spaces = c["clean_up_tokenization_spaces"].get<bool>();
+  }
+  return t;
 }
 
 Tokenizer Tokenizer::parse(const std::string& text, const std::string& path) {
@@ -854,6 +871,13 @@ std::string Tokenizer::decode(const std::vector<std::int32_t>& ids, bool skip_sp
   }
   std::string out;
   for (const auto& t : toks) out += t;
+  if (m.clean_up_spaces) {
+    // transformers' clean_up_tokenization, in its order.
+    static const std::pair<const char*, const char*> kCleanup[] = {
+        {" .", "."}, {" ?", "?"}, {" !", "!"}, {" ,", ","}, {" ' ", "'"},
+        {" n't", "n't"}, {" 'm", "'m"}, {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"}};
+    for (const auto& [from, to] : kCleanup) replace_all(out, from, to);
+  }
   return out;
 }
 

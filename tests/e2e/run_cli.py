@@ -1,0 +1,75 @@
+#!/usr/bin/python3
+"""dmi-run end to end on the test models.
+
+  run_cli.py DMI_RUN TEST_MODELS CASE
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+dmi_run, models, case = sys.argv[1], sys.argv[2], sys.argv[3]
+
+
+def run(*args):
+    r = subprocess.run([dmi_run, "-q"] + list(args), capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        sys.exit(f"dmi-run {' '.join(args)} exited {r.returncode}: {r.stderr}")
+    return r.stdout
+
+
+def check(cond, msg):
+    if not cond:
+        sys.exit("FAIL: " + msg)
+
+
+if case == "json-summary":
+    out = json.loads(run("--model", os.path.join(models, "qwen3-untied-f32"), "--prompt", "LOVE, n.",
+                         "--prompt", "A", "--max-new-tokens", "4", "--batch-size", "2", "--json"))
+    check(out["architecture"] == "Qwen3ForCausalLM", "architecture")
+    check(out["dtype"] == "float32", "dtype")
+    check(len(out["sequences"]) == 2, "two sequences")
+    for s in out["sequences"]:
+        for k in ("prompt", "prompt_ids", "output_ids", "text", "finish_reason"):
+            check(k in s, f"sequence lacks {k}")
+        check(s["finish_reason"] in ("eos", "length"), "finish reason")
+    check(out["sequences"][0]["prompt"] == "LOVE, n.", "prompt text echoed")
+    for k in ("prefill_tokens_per_second", "decode_tokens_per_second"):
+        check(out["timings"][k] > 0, k)
+elif case == "prompts-file-jsonl":
+    d = tempfile.mkdtemp()
+    p = os.path.join(d, "p.jsonl")
+    open(p, "w").write('{"text": "WAR, n."}\n\n{"ids": [5, 6, 7]}\n')
+    out = json.loads(run("--model", os.path.join(models, "llama-gqa-f32"), "--prompts", p, "-n", "3", "--json"))
+    check([s["prompt_ids"] for s in out["sequences"]][1] == [5, 6, 7], "ids prompt")
+    check(out["sequences"][0]["prompt"] == "WAR, n.", "text prompt")
+    txt = os.path.join(d, "p.txt")
+    open(txt, "w").write("first line\nsecond line\n")
+    out = json.loads(run("--model", os.path.join(models, "llama-gqa-f32"), "--prompts", txt, "-n", "1", "--json"))
+    check([s["prompt"] for s in out["sequences"]] == ["first line", "second line"], "plain lines")
+elif case == "default-model":
+    out = run("--max-new-tokens", "12")
+    check(out.startswith("LOVE, n."), "default prompt echoed")
+    check(len(out.strip()) > len("LOVE, n.") + 10, "generated some text")
+elif case == "batch-matches-reference":
+    m = os.path.join(models, "mistral-window-bf16-sharded")
+    ref = json.load(open(os.path.join(m, "reference.json")))
+    args = ["--model", m, "--json", "-n", str(ref["n_new"]), "--batch-size", "3"]
+    for p in ref["prompts"]:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    out = json.loads(run(*args))
+    got = [s["output_ids"] for s in out["sequences"]]
+    want = [r["greedy"] for r in ref["float32"]]
+    check(got == want, f"greedy ids {got} != reference {want}")
+elif case == "sampling-seed":
+    m = os.path.join(models, "qwen2-bias-tied-f16")
+    a = run("--model", m, "--prompt", "THE", "--temperature", "1.3", "--top-k", "40", "--top-p", "0.9",
+            "--seed", "7", "-n", "16", "--json")
+    b = run("--model", m, "--prompt", "THE", "--temperature", "1.3", "--top-k", "40", "--top-p", "0.9",
+            "--seed", "7", "-n", "16", "--json")
+    ids = lambda s: [x["output_ids"] for x in json.loads(s)["sequences"]]  # noqa: E731
+    check(ids(a) == ids(b), "same seed, same output")
+else:
+    sys.exit(f"unknown case {case}")
+print("ok")

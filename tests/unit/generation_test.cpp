@@ -1,0 +1,99 @@
+#include <ATen/ATen.h>
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+
+#include "common/error.h"
+#include "engine/generator.h"
+#include "model/causal_lm.h"
+#include "test_util.h"
+
+namespace {
+
+using Logits = std::map<std::pair<std::size_t, std::int64_t>, at::Tensor>;
+
+std::vector<dmi::engine::SequenceResult> run(dmi::model::CausalLM& m, const std::vector<std::vector<std::int32_t>>& p,
+                                             std::int64_t batch, dmi::engine::SamplingOptions s, Logits* logits,
+                                             std::int64_t n_new = 8) {
+  dmi::engine::GenerateOptions o;
+  o.max_new_tokens = n_new;
+  o.batch_size = batch;
+  o.sampling = s;
+  if (logits)
+    o.on_logits = [logits](std::size_t seq, std::int64_t step, const at::Tensor& row) {
+      (*logits)[{seq, step}] = row.clone();
+    };
+  dmi::engine::Generator g(m, o);
+  return g.generate(p);
+}
+
+const std::vector<std::vector<std::int32_t>> kPrompts = {
+    {5, 17, 42, 99, 3, 250, 7, 11, 64, 128, 1, 33}, {9, 8, 7}, {200}, {60, 61, 62, 63, 64, 65, 66}, {4, 4}};
+
+}  // namespace
+
+TEST_CASE("batch invariance: a prompt's tokens and logits do not depend on its batch") {
+  for (const auto& name : dmi::test::test_model_names()) {
+    CAPTURE(name);
+    auto m = dmi::model::load_model(dmi::test::test_models_dir() + "/" + name, at::kFloat);
+    Logits batched;
+    auto together = run(*m, kPrompts, 5, {}, &batched);
+    double worst = 0;
+    for (std::size_t i = 0; i < kPrompts.size(); ++i) {
+      Logits alone_logits;
+      auto alone = run(*m, {kPrompts[i]}, 1, {}, &alone_logits);
+      CHECK(alone[0].output_ids == together[i].output_ids);
+      for (const auto& [key, row] : alone_logits) {
+        const at::Tensor& b = batched.at({i, key.second});
+        worst = std::max(worst, ((row - b).abs().max() / row.abs().max()).item<double>());
+      }
+    }
+    MESSAGE(fmt::format("{}: worst relative logit difference alone vs batched {:.3g}", name, worst));
+    CHECK(worst < 1e-5);
+  }
+}
+
+TEST_CASE("sampling: the same seed gives the same output, alone or batched") {
+  auto m = dmi::model::load_model(dmi::test::test_models_dir() + "/qwen3-untied-f32", at::kFloat);
+  dmi::engine::SamplingOptions s{1.5, 50, 0.95, 1234};
+  auto a = run(*m, kPrompts, 5, s, nullptr, 16);
+  auto b = run(*m, kPrompts, 2, s, nullptr, 16);
+  for (std::size_t i = 0; i < kPrompts.size(); ++i) CHECK(a[i].output_ids == b[i].output_ids);
+  s.seed = 4321;
+  auto c = run(*m, kPrompts, 5, s, nullptr, 16);
+  auto greedy = run(*m, kPrompts, 5, {}, nullptr, 16);
+  int differ_seed = 0, differ_greedy = 0;
+  for (std::size_t i = 0; i < kPrompts.size(); ++i) {
+    differ_seed += a[i].output_ids != c[i].output_ids;
+    differ_greedy += a[i].output_ids != greedy[i].output_ids;
+  }
+  CHECK(differ_seed > 0);
+  CHECK(differ_greedy > 0);
+}
+
+TEST_CASE("generation: stops at EOS and at max_new_tokens; rejects bad prompts") {
+  auto m = dmi::model::load_model(dmi::test::test_models_dir() + "/llama-gqa-f32", at::kFloat);
+  dmi::engine::GenerateOptions o;
+  o.max_new_tokens = 6;
+  // Make the first greedy token of prompt {200} an EOS token.
+  dmi::engine::Generator probe(*m, o);
+  auto first = probe.generate({{200}})[0].output_ids;
+  REQUIRE(first.size() == 6);
+  o.eos_ids = {first[2]};
+  dmi::engine::Generator g(*m, o);
+  auto r = g.generate({{200}, {9, 8, 7}});
+  CHECK(r[0].finish_reason == "eos");
+  const auto stop_at = std::find(first.begin(), first.end(), first[2]) - first.begin();
+  CHECK(r[0].output_ids.size() == static_cast<std::size_t>(stop_at + 1));
+  CHECK(r[0].output_ids.back() == first[2]);
+  CHECK_THROWS_WITH_AS(g.generate({{300}}), doctest::Contains("token id 300 is out of range (vocab_size 256)"),
+                       dmi::Error);
+  CHECK_THROWS_WITH_AS(g.generate({std::vector<std::int32_t>(64, 1)}), doctest::Contains("the model's context is 64"),
+                       dmi::Error);
+  // Near the end of the context a sequence stops with reason "context".
+  auto near = g.generate({std::vector<std::int32_t>(61, 1)});
+  CHECK(near[0].output_ids.size() == 3);
+  CHECK(near[0].finish_reason == "context");
+}

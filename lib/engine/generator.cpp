@@ -92,8 +92,12 @@ void Generator::run_batch(const std::vector<std::vector<std::int32_t>>& prompts,
     return std::find(opts_.eos_ids.begin(), opts_.eos_ids.end(), id) != opts_.eos_ids.end();
   };
 
+  std::vector<std::int32_t> seq_ids(n);
+  for (std::size_t b = 0; b < n; ++b) seq_ids[b] = static_cast<std::int32_t>(first + b);
+  hooks::ForwardInfo info{positions, key_valid.narrow(1, 0, T), 0, seq_ids, -1};
+
   double t0 = now();
-  model::ForwardInput in{ids, positions, key_valid.narrow(1, 0, T), 0, false};
+  model::ForwardInput in{ids, positions, key_valid.narrow(1, 0, T), 0, false, &info};
   at::Tensor logits = model_.forward(in, cache, opts_.observer);  // [B, 1, V]
   double t1 = now();
   timings_.prefill_seconds += t1 - t0;
@@ -145,7 +149,8 @@ void Generator::run_batch(const std::vector<std::vector<std::int32_t>>& prompts,
       auto kv_a = key_valid.accessor<bool, 2>();
       for (std::size_t b = 0; b < n; ++b) kv_a[b][col] = !done[b];
     }
-    model::ForwardInput dec{next_ids, next_pos, key_valid.narrow(1, 0, col + 1), col, false};
+    hooks::ForwardInfo dinfo{next_pos, key_valid.narrow(1, col, 1), col, seq_ids, static_cast<std::int32_t>(step)};
+    model::ForwardInput dec{next_ids, next_pos, key_valid.narrow(1, 0, col + 1), col, false, &dinfo};
     logits = model_.forward(dec, cache, opts_.observer);
   }
   timings_.decode_seconds += now() - t1;

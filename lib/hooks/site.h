@@ -44,19 +44,23 @@ const char* site_suffix(Site s);
 // The full TransformerLens name; layer is ignored for global sites.
 std::string site_name(Site s, int layer);
 
-// What a forward pass knows about the tokens it is processing, for observers
-// that must map batch rows back to sequences and positions.
+// What the generator knows about the tokens a forward pass processes, for
+// observers that must map batch rows back to sequences and positions.
 struct ForwardInfo {
-  at::Tensor positions;  // [B, T] int64, position within each sequence
-  at::Tensor valid;      // [B, T] bool, false for padding
-  std::int64_t start;    // cache column of the first token
+  at::Tensor positions;           // [B, T] int64, position within each sequence
+  at::Tensor valid;               // [B, T] bool, false for padding and finished sequences
+  std::int64_t start = 0;         // cache column of the first token
+  std::vector<std::int32_t> seq;  // [B] index of each row's sequence among all prompts
+  std::int32_t step = -1;         // -1: prefill; else the decode step
 };
 
 // Receives tensors at HookPoints. wants() is asked first so that tensors an
-// observer does not want (attention scores, full logits) are never made.
+// observer does not want (full logits) are never made.
 class Observer {
  public:
   virtual ~Observer() = default;
+  // Called once per forward pass, before any HookPoint.
+  virtual void begin_forward(const ForwardInfo& info) {}
   virtual bool wants(Site site, int layer) const = 0;
   virtual void observe(Site site, int layer, const at::Tensor& t, const ForwardInfo& info) = 0;
 };

@@ -797,8 +797,9 @@ std::string Tokenizer::decode(const std::vector<std::int32_t>& ids, bool skip_sp
   const Impl& m = *impl_;
   std::vector<std::string> toks;
   for (auto id : ids) {
-    DMI_CHECK(id >= 0 && static_cast<std::size_t>(id) < m.id_to_token.size(),
-              "token id {} is out of range (vocabulary size {})", id, m.id_to_token.size());
+    // Models often have more embedding rows than the tokenizer has tokens;
+    // like Hugging Face, ids without a token decode to nothing.
+    if (id < 0 || static_cast<std::size_t>(id) >= m.id_to_token.size()) continue;
     if (skip_special_tokens && m.special[id]) continue;
     toks.push_back(m.id_to_token[id]);
   }

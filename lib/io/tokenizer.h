@@ -26,7 +26,8 @@ class Tokenizer {
   // text must be valid UTF-8. add_special_tokens applies the post-processor's
   // template (e.g. Llama's BOS), as Hugging Face does by default.
   std::vector<std::int32_t> encode(std::string_view text, bool add_special_tokens = true) const;
-  // Invalid UTF-8 produced by partial byte tokens becomes U+FFFD.
+  // Invalid UTF-8 produced by partial byte tokens becomes U+FFFD; ids the
+  // tokenizer has no token for (padding rows of the embedding) are skipped.
   std::string decode(const std::vector<std::int32_t>& ids, bool skip_special_tokens = false) const;
 
   std::int64_t vocab_size() const;  // highest id + 1

@@ -27,6 +27,7 @@ struct ForwardInput {
   at::Tensor key_valid;  // [B, start + T] bool: cache columns holding real (non-padding) tokens
   std::int64_t start = 0;  // cache column of ids[:, 0]
   bool all_logits = false;  // logits for every position, or only the last
+  const hooks::ForwardInfo* info = nullptr;  // required when an observer is passed
 };
 
 class CausalLM {

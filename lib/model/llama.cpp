@@ -80,10 +80,11 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
   DMI_CHECK(L <= cache.capacity, "sequence needs {} cache columns, cache holds {}", L, cache.capacity);
   DMI_CHECK(in.key_valid.size(0) == B && in.key_valid.size(1) == L, "key_valid must be [B, start + T]");
 
-  hooks::ForwardInfo info{in.positions, in.key_valid.narrow(1, in.start, T), in.start};
+  DMI_CHECK(!obs || in.info, "forward: an observer needs ForwardInput::info");
+  if (obs) obs->begin_forward(*in.info);
   // The HookPoint: one branch when nobody listens.
   auto hook = [&](Site s, int layer, const at::Tensor& t) {
-    if (obs && obs->wants(s, layer)) obs->observe(s, layer, t, info);
+    if (obs && obs->wants(s, layer)) obs->observe(s, layer, t, *in.info);
   };
 
   // allowed[b, t, c]: query t (cache column start + t) may attend to column

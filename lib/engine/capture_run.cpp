@@ -1,0 +1,93 @@
+#include "engine/capture_run.h"
+
+#include "common/error.h"
+#include "sink/hdf5_sink.h"
+
+namespace dmi::engine {
+
+namespace {
+
+int parse_topk(const std::string& s) {
+  if (s == "full") return 0;
+  if (s.rfind("topk:", 0) == 0 && s.size() > 5 && s.find_first_not_of("0123456789", 5) == std::string::npos &&
+      s.size() < 14) {
+    int k = std::stoi(s.substr(5));
+    if (k > 0) return k;
+  }
+  DMI_FAIL("--logits '{}' is not 'full' or 'topk:K' (K > 0)", s);
+}
+
+std::optional<at::ScalarType> parse_capture_dtype(const std::string& s) {
+  if (s == "model") return std::nullopt;
+  if (s == "float32") return at::kFloat;
+  if (s == "float16") return at::kHalf;
+  if (s == "bfloat16") return at::kBFloat16;
+  DMI_FAIL("--capture-dtype '{}' is not one of model, float32, float16, bfloat16", s);
+}
+
+}  // namespace
+
+void validate_capture_config(const CaptureConfig& c) {
+  hooks::parse_token_policy(c.tokens);
+  parse_topk(c.logits);
+  parse_capture_dtype(c.capture_dtype);
+  sink::validate_compression(c.compression);
+  DMI_CHECK(c.every >= 1, "--every must be at least 1");
+  DMI_CHECK(c.ring_mb >= 1, "--ring-mb must be at least 1");
+  DMI_CHECK(c.on_full == "block" || c.on_full == "drop", "--on-full '{}' is not block or drop", c.on_full);
+  DMI_CHECK(c.sink == "hdf5" || c.sink == "null", "--sink '{}' is not hdf5 or null", c.sink);
+  DMI_CHECK(c.sink != "hdf5" || !c.output.empty(), "--hooks with --sink hdf5 needs --output FILE.h5");
+}
+
+CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, at::ScalarType model_dtype,
+                       std::int64_t max_len, const sink::RunInfo& info) {
+  validate_capture_config(c);
+  hooks::CaptureOptions o;
+  o.selection = hooks::Selection::parse(c.hooks, hooks::SiteSpace{static_cast<int>(cfg.num_layers), cfg.qk_norm});
+  DMI_CHECK(!o.selection.empty(), "--hooks '{}' selects no site", c.hooks);
+  o.tokens = hooks::parse_token_policy(c.tokens);
+  o.every = c.every;
+  o.logits_topk = parse_topk(c.logits);
+  o.capture_dtype = parse_capture_dtype(c.capture_dtype);
+  o.max_len = max_len;
+  point_ = std::make_unique<hooks::CapturePoint>(std::move(o), cfg, model_dtype);
+  sink_ = c.sink == "null" ? sink::make_null_sink() : sink::make_hdf5_sink(c.output, info, c.compression);
+  sink_->open(point_->streams());
+  ring_ = std::make_unique<ring::CpuRing>(c.ring_mb << 20, c.ring_records,
+                                          c.on_full == "drop" ? ring::OnFull::drop : ring::OnFull::block,
+                                          point_->streams().size(), *sink_);
+  point_->attach(ring_.get());
+}
+
+CaptureRun::~CaptureRun() {
+  if (!finished_) {
+    try {
+      finish("failed", {});
+    } catch (...) {
+    }
+  }
+}
+
+CaptureResult CaptureRun::finish(const std::string& status, const std::vector<sink::SequenceInfo>& sequences) {
+  finished_ = true;
+  point_->attach(nullptr);
+  sink::Finish f;
+  f.sequences = sequences;
+  std::exception_ptr error;
+  try {
+    ring_->drain();
+    f.status = status;
+  } catch (...) {
+    error = std::current_exception();
+    f.status = "failed";
+  }
+  CaptureResult r{ring_->stats(), f.status};
+  f.records_written = r.stats.records_written;
+  f.records_dropped = r.stats.records_dropped;
+  f.dropped_per_stream = r.stats.dropped_per_stream;
+  sink_->close(f);
+  if (error) std::rethrow_exception(error);
+  return r;
+}
+
+}  // namespace dmi::engine

@@ -1,0 +1,57 @@
+// One capture: the HookPoint (CapturePoint), the Ring² transport and the sink,
+// assembled from dmi-run's flags and torn down with the right file status.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hooks/capture.h"
+#include "ring/ring.h"
+#include "sink/sink.h"
+
+namespace dmi::engine {
+
+struct CaptureConfig {
+  std::string output;               // HDF5 path (sink hdf5)
+  std::string hooks;                // --hooks spec
+  std::string tokens = "all";       // all | prompt | generated | last-prompt
+  int every = 1;
+  std::string logits = "full";      // full | topk:K
+  std::string capture_dtype = "model";  // model | float32 | float16 | bfloat16
+  std::size_t ring_mb = 256;
+  std::size_t ring_records = 1 << 16;
+  std::string on_full = "block";    // block | drop
+  std::string sink = "hdf5";        // hdf5 | null
+  std::string compression = "none";
+};
+
+// Checks flag values that need no model; throws dmi::Error naming the flag.
+void validate_capture_config(const CaptureConfig& c);
+
+struct CaptureResult {
+  ring::RingStats stats;
+  std::string status;
+};
+
+class CaptureRun {
+ public:
+  // Creates the file (hdf5 sink) and starts the writer thread.
+  CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, at::ScalarType model_dtype, std::int64_t max_len,
+             const sink::RunInfo& info);
+  ~CaptureRun();
+  hooks::Observer* observer() { return point_.get(); }
+  const std::vector<sink::StreamInfo>& streams() const { return point_->streams(); }
+  // Drains the ring and closes the sink with `status` (complete, interrupted
+  // or failed). If draining fails, the file is closed as failed and the
+  // error rethrown.
+  CaptureResult finish(const std::string& status, const std::vector<sink::SequenceInfo>& sequences);
+
+ private:
+  std::unique_ptr<hooks::CapturePoint> point_;
+  std::unique_ptr<sink::Sink> sink_;
+  std::unique_ptr<ring::CpuRing> ring_;
+  bool finished_ = false;
+};
+
+}  // namespace dmi::engine

@@ -1,0 +1,54 @@
+// Which sites to capture: parsed from --hooks.
+//
+// A spec is a comma-separated list of
+//   short names    resid_post, pattern, rot_k, logits, ...   (every layer)
+//   full names     blocks.3.hook_resid_post, ln_final.hook_normalized
+//   globs          blocks.*.hook_resid_post, *mlp*
+//   layer sets     blocks.{0-3,10}.attn.hook_pattern
+//   presets        residual, attention, mlp, kv, full, hf-hidden-states
+// Unknown names are errors that suggest the nearest valid ones.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "hooks/site.h"
+
+namespace dmi::hooks {
+
+// The sites a model has (Qwen3's q/k norms only where present).
+struct SiteSpace {
+  int n_layers = 0;
+  bool qk_norm = false;
+  bool has(Site s) const { return qk_norm || (s != Site::q_normalized && s != Site::k_normalized); }
+  // Every site name in forward order.
+  std::vector<std::string> all_names() const;
+};
+
+class Selection {
+ public:
+  Selection() = default;
+  static Selection parse(const std::string& spec, const SiteSpace& space);
+
+  bool wants(Site s, int layer) const {
+    return bits_.empty() ? false : bits_[static_cast<int>(s)][layer < 0 ? 0 : layer];
+  }
+  bool empty() const { return count_ == 0; }
+  std::size_t size() const { return count_; }
+  // Selected (site, layer) pairs in forward order; layer -1 for global sites.
+  std::vector<std::pair<Site, int>> sites() const;
+  const std::string& spec() const { return spec_; }
+
+ private:
+  void add(Site s, int layer);
+  std::string spec_;
+  SiteSpace space_;
+  std::vector<std::vector<bool>> bits_;  // [site][layer]
+  std::size_t count_ = 0;
+};
+
+// Short names accepted by --hooks ("resid_post", "pattern", ...), with sites.
+const std::vector<std::pair<std::string, Site>>& short_site_names();
+const std::vector<std::string>& preset_names();
+
+}  // namespace dmi::hooks

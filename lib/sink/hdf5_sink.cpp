@@ -1,0 +1,327 @@
+#include "sink/hdf5_sink.h"
+
+#include <hdf5.h>
+
+#include <cstring>
+
+#include "common/error.h"
+
+namespace dmi::sink {
+
+namespace {
+
+struct Compression {
+  int gzip = 0;
+  bool shuffle = false;
+};
+
+Compression parse_compression(const std::string& c) {
+  Compression out;
+  if (c == "none" || c.empty()) return out;
+  std::string rest = c;
+  if (rest.rfind("shuffle+", 0) == 0) {
+    out.shuffle = true;
+    rest = rest.substr(8);
+  }
+  if (rest.rfind("gzip:", 0) == 0 && rest.size() == 6 && rest[5] >= '1' && rest[5] <= '9') {
+    out.gzip = rest[5] - '0';
+    return out;
+  }
+  DMI_FAIL("--compression '{}' is not one of none, gzip:N, shuffle+gzip:N (N = 1..9)", c);
+}
+
+// A 16-bit float type: sign bit 15, exponent bits epos.., mantissa bits
+// 0..msize-1. bfloat16 is (7, 8, 7, bias 127), IEEE half (10, 5, 10, bias 15);
+// HDF5 1.10 predefines neither. Readers convert them like any float.
+hid_t float16_type(std::size_t epos, std::size_t esize, std::size_t msize, std::size_t ebias) {
+  hid_t t = H5Tcopy(H5T_IEEE_F32LE);
+  H5Tset_fields(t, 15, epos, esize, 0, msize);
+  H5Tset_offset(t, 0);
+  H5Tset_precision(t, 16);
+  H5Tset_size(t, 2);
+  H5Tset_ebias(t, ebias);
+  return t;
+}
+
+hid_t h5_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return H5Tcopy(H5T_IEEE_F32LE);
+    case at::kHalf: return float16_type(10, 5, 10, 15);
+    case at::kBFloat16: return float16_type(7, 8, 7, 127);
+    case at::kInt: return H5Tcopy(H5T_STD_I32LE);
+    default: DMI_FAIL("capture dtype {} has no HDF5 type", c10::toString(t));
+  }
+}
+
+#define H5_CHECK(expr, ...)                         \
+  do {                                              \
+    if ((expr) < 0) DMI_FAIL(__VA_ARGS__);          \
+  } while (0)
+
+void set_attr_text(hid_t loc, const std::string& name, const std::string& value) {
+  if (H5Aexists(loc, name.c_str()) > 0) H5Adelete(loc, name.c_str());
+  hid_t type = H5Tcopy(H5T_C_S1);
+  H5Tset_size(type, H5T_VARIABLE);
+  H5Tset_cset(type, H5T_CSET_UTF8);
+  hid_t space = H5Screate(H5S_SCALAR);
+  hid_t a = H5Acreate2(loc, name.c_str(), type, space, H5P_DEFAULT, H5P_DEFAULT);
+  const char* p = value.c_str();
+  herr_t rc = a < 0 ? -1 : H5Awrite(a, type, &p);
+  if (a >= 0) H5Aclose(a);
+  H5Sclose(space);
+  H5Tclose(type);
+  H5_CHECK(rc, "cannot write attribute '{}' to the capture file", name);
+}
+
+void set_attr_int(hid_t loc, const std::string& name, std::int64_t value) {
+  if (H5Aexists(loc, name.c_str()) > 0) H5Adelete(loc, name.c_str());
+  hid_t space = H5Screate(H5S_SCALAR);
+  hid_t a = H5Acreate2(loc, name.c_str(), H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT);
+  herr_t rc = a < 0 ? -1 : H5Awrite(a, H5T_NATIVE_INT64, &value);
+  if (a >= 0) H5Aclose(a);
+  H5Sclose(space);
+  H5_CHECK(rc, "cannot write attribute '{}' to the capture file", name);
+}
+
+void set_attr_ints(hid_t loc, const std::string& name, const std::vector<std::int64_t>& v) {
+  if (H5Aexists(loc, name.c_str()) > 0) H5Adelete(loc, name.c_str());
+  hsize_t n = v.size();
+  hid_t space = H5Screate_simple(1, &n, nullptr);
+  hid_t a = H5Acreate2(loc, name.c_str(), H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT);
+  herr_t rc = a < 0 ? -1 : H5Awrite(a, H5T_NATIVE_INT64, v.data());
+  if (a >= 0) H5Aclose(a);
+  H5Sclose(space);
+  H5_CHECK(rc, "cannot write attribute '{}' to the capture file", name);
+}
+
+// A 1-D dataset written in one go.
+template <typename T>
+void write_vector(hid_t loc, const std::string& name, hid_t file_type, hid_t mem_type, const std::vector<T>& v) {
+  hsize_t n = v.size();
+  hid_t space = H5Screate_simple(1, &n, nullptr);
+  hid_t d = H5Dcreate2(loc, name.c_str(), file_type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+  herr_t rc = d < 0 ? -1 : (n ? H5Dwrite(d, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) : 0);
+  if (d >= 0) H5Dclose(d);
+  H5Sclose(space);
+  H5_CHECK(rc, "cannot write dataset '{}' to the capture file", name);
+}
+
+void write_strings(hid_t loc, const std::string& name, const std::vector<std::string>& v) {
+  hid_t type = H5Tcopy(H5T_C_S1);
+  H5Tset_size(type, H5T_VARIABLE);
+  H5Tset_cset(type, H5T_CSET_UTF8);
+  std::vector<const char*> ptrs;
+  for (const auto& s : v) ptrs.push_back(s.c_str());
+  write_vector(loc, name, type, type, ptrs);
+  H5Tclose(type);
+}
+
+// An extendible [rows, ...] dataset, chunked along rows with whole rows in
+// each chunk, appended to by the writer.
+class Table {
+ public:
+  Table(hid_t group, const std::string& name, hid_t type, const std::vector<std::int64_t>& row_shape,
+        const Compression& comp)
+      : rank_(1 + static_cast<int>(row_shape.size())) {
+    std::vector<hsize_t> dims(rank_, 0), maxdims(rank_, H5S_UNLIMITED), chunk(rank_);
+    std::size_t row_bytes = H5Tget_size(type);
+    for (std::size_t i = 0; i < row_shape.size(); ++i) {
+      dims[i + 1] = maxdims[i + 1] = chunk[i + 1] = static_cast<hsize_t>(row_shape[i]);
+      row_bytes *= static_cast<std::size_t>(row_shape[i]);
+    }
+    // ~512 KiB chunks (two fit the default 1 MiB chunk cache).
+    chunk[0] = static_cast<hsize_t>(std::clamp<std::size_t>((512u << 10) / std::max<std::size_t>(row_bytes, 1), 1, 8192));
+    row_dims_.assign(dims.begin() + 1, dims.end());
+    hid_t space = H5Screate_simple(rank_, dims.data(), maxdims.data());
+    hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
+    H5Pset_chunk(dcpl, rank_, chunk.data());
+    if (comp.shuffle) H5Pset_shuffle(dcpl);
+    if (comp.gzip) H5Pset_deflate(dcpl, comp.gzip);
+    id_ = H5Dcreate2(group, name.c_str(), type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT);
+    H5Pclose(dcpl);
+    H5Sclose(space);
+    H5_CHECK(id_, "cannot create dataset '{}' in the capture file", name);
+    type_ = H5Tcopy(type);
+  }
+  ~Table() {
+    if (id_ >= 0) H5Dclose(id_);
+    if (type_ >= 0) H5Tclose(type_);
+  }
+  Table(const Table&) = delete;
+  Table& operator=(const Table&) = delete;
+
+  void append(const void* data, hsize_t rows) {
+    if (rows == 0) return;
+    std::vector<hsize_t> dims(rank_), start(rank_, 0), count(rank_);
+    dims[0] = rows_ + rows;
+    count[0] = rows;
+    start[0] = rows_;
+    for (int i = 1; i < rank_; ++i) dims[i] = count[i] = row_dims_[i - 1];
+    H5_CHECK(H5Dset_extent(id_, dims.data()), "cannot extend a capture dataset (disk full?)");
+    hid_t fspace = H5Dget_space(id_);
+    H5Sselect_hyperslab(fspace, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr);
+    hid_t mspace = H5Screate_simple(rank_, count.data(), nullptr);
+    herr_t rc = H5Dwrite(id_, type_, mspace, fspace, H5P_DEFAULT, data);
+    H5Sclose(mspace);
+    H5Sclose(fspace);
+    H5_CHECK(rc, "cannot write to the capture file (disk full?)");
+    rows_ += rows;
+  }
+
+ private:
+  int rank_;
+  std::vector<hsize_t> row_dims_;
+  hid_t id_ = -1, type_ = -1;
+  hsize_t rows_ = 0;
+};
+
+struct Stream {
+  StreamInfo info;
+  hid_t group = -1;
+  std::unique_ptr<Table> data, seq, pos, ids;
+  std::vector<float> values_scratch;
+  std::vector<std::int32_t> ids_scratch;
+  ~Stream() {
+    data.reset();
+    seq.reset();
+    pos.reset();
+    ids.reset();
+    if (group >= 0) H5Gclose(group);
+  }
+};
+
+class Hdf5Sink final : public Sink {
+ public:
+  Hdf5Sink(const std::string& path, const RunInfo& info, const std::string& compression)
+      : path_(path), comp_(parse_compression(compression)) {
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);  // errors become dmi::Error below
+    hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
+    H5Pset_libver_bounds(fapl, H5F_LIBVER_V18, H5F_LIBVER_LATEST);
+    file_ = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
+    H5Pclose(fapl);
+    DMI_CHECK(file_ >= 0, "{}: cannot create capture file", path);
+    set_attr_text(file_, "format", "dmi-capture");
+    set_attr_int(file_, "format_version", kCaptureFormatVersion);
+    for (const auto& [k, v] : info.text) set_attr_text(file_, k, v);
+    for (const auto& [k, v] : info.ints) set_attr_int(file_, k, v);
+    set_attr_text(file_, "compression", compression.empty() ? "none" : compression);
+    set_attr_text(file_, "status", "failed");  // until close() says otherwise
+    H5Fflush(file_, H5F_SCOPE_GLOBAL);
+  }
+
+  ~Hdf5Sink() override {
+    streams_.clear();
+    if (sites_ >= 0) H5Gclose(sites_);
+    if (file_ >= 0) H5Fclose(file_);
+  }
+
+  void open(const std::vector<StreamInfo>& streams) override {
+    sites_ = H5Gcreate2(file_, "sites", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    DMI_CHECK(sites_ >= 0, "{}: cannot create /sites", path_);
+    for (const auto& si : streams) {
+      auto s = std::make_unique<Stream>();
+      s->info = si;
+      s->group = H5Gcreate2(sites_, si.name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+      DMI_CHECK(s->group >= 0, "{}: cannot create /sites/{}", path_, si.name);
+      set_attr_text(s->group, "site", si.name);
+      set_attr_int(s->group, "layer", si.layer);
+      if (si.layout == Layout::topk) {
+        const std::int64_t k = si.row_shape.back();
+        hid_t f32 = H5Tcopy(H5T_IEEE_F32LE), i32 = H5Tcopy(H5T_STD_I32LE);
+        s->data = std::make_unique<Table>(s->group, "data", f32, std::vector<std::int64_t>{k}, comp_);
+        s->ids = std::make_unique<Table>(s->group, "ids", i32, std::vector<std::int64_t>{k}, comp_);
+        H5Tclose(f32);
+        H5Tclose(i32);
+        set_attr_text(s->group, "layout", "topk");
+      } else {
+        hid_t t = h5_type(si.dtype);
+        s->data = std::make_unique<Table>(s->group, "data", t, si.row_shape, comp_);
+        H5Tclose(t);
+        set_attr_text(s->group, "layout", si.layout == Layout::attention ? "attention" : "dense");
+      }
+      hid_t i32 = H5Tcopy(H5T_STD_I32LE);
+      s->seq = std::make_unique<Table>(s->group, "seq", i32, std::vector<std::int64_t>{}, comp_);
+      s->pos = std::make_unique<Table>(s->group, "pos", i32, std::vector<std::int64_t>{}, comp_);
+      H5Tclose(i32);
+      streams_.push_back(std::move(s));
+    }
+  }
+
+  void write(std::uint16_t stream, std::int32_t, std::uint32_t rows, const std::int32_t* seq,
+             const std::int32_t* pos, const void* data, std::size_t bytes) override {
+    Stream& s = *streams_.at(stream);
+    if (s.info.layout == Layout::topk) {
+      const std::int64_t k = s.info.row_shape.back();
+      const float* p = static_cast<const float*>(data);
+      s.values_scratch.resize(rows * k);
+      s.ids_scratch.resize(rows * k);
+      for (std::uint32_t r = 0; r < rows; ++r)
+        for (std::int64_t j = 0; j < k; ++j) {
+          s.values_scratch[r * k + j] = p[r * 2 * k + j];
+          s.ids_scratch[r * k + j] = static_cast<std::int32_t>(p[r * 2 * k + k + j]);
+        }
+      s.data->append(s.values_scratch.data(), rows);
+      s.ids->append(s.ids_scratch.data(), rows);
+    } else {
+      s.data->append(data, rows);
+    }
+    s.seq->append(seq, rows);
+    s.pos->append(pos, rows);
+  }
+
+  void close(const Finish& f) override {
+    hid_t g = H5Gcreate2(file_, "sequences", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    DMI_CHECK(g >= 0, "{}: cannot create /sequences", path_);
+    std::vector<std::int32_t> tokens, prompt_lengths;
+    std::vector<std::int64_t> offsets{0};
+    std::vector<std::string> prompts, texts, reasons;
+    for (const auto& s : f.sequences) {
+      tokens.insert(tokens.end(), s.prompt_ids.begin(), s.prompt_ids.end());
+      tokens.insert(tokens.end(), s.output_ids.begin(), s.output_ids.end());
+      offsets.push_back(static_cast<std::int64_t>(tokens.size()));
+      prompt_lengths.push_back(static_cast<std::int32_t>(s.prompt_ids.size()));
+      prompts.push_back(s.prompt);
+      texts.push_back(s.text);
+      reasons.push_back(s.finish_reason);
+    }
+    write_vector(g, "tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, tokens);
+    write_vector(g, "offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, offsets);
+    write_vector(g, "prompt_lengths", H5T_STD_I32LE, H5T_NATIVE_INT32, prompt_lengths);
+    write_strings(g, "prompt_text", prompts);
+    write_strings(g, "generated_text", texts);
+    write_strings(g, "finish_reason", reasons);
+    H5Gclose(g);
+    std::vector<std::int64_t> drops;
+    for (std::size_t i = 0; i < streams_.size(); ++i) {
+      const std::uint64_t d = i < f.dropped_per_stream.size() ? f.dropped_per_stream[i] : 0;
+      set_attr_int(streams_[i]->group, "records_dropped", static_cast<std::int64_t>(d));
+      drops.push_back(static_cast<std::int64_t>(d));
+    }
+    set_attr_ints(file_, "records_dropped_per_site", drops);
+    set_attr_int(file_, "records_written", static_cast<std::int64_t>(f.records_written));
+    set_attr_int(file_, "records_dropped", static_cast<std::int64_t>(f.records_dropped));
+    set_attr_text(file_, "status", f.status);
+    streams_.clear();
+    if (sites_ >= 0) H5Gclose(sites_);
+    sites_ = -1;
+    herr_t rc = H5Fclose(file_);
+    file_ = -1;
+    H5_CHECK(rc, "{}: closing the capture file failed (disk full?)", path_);
+  }
+
+ private:
+  std::string path_;
+  Compression comp_;
+  hid_t file_ = -1, sites_ = -1;
+  std::vector<std::unique_ptr<Stream>> streams_;
+};
+
+}  // namespace
+
+void validate_compression(const std::string& compression) { parse_compression(compression); }
+
+std::unique_ptr<Sink> make_hdf5_sink(const std::string& path, const RunInfo& info, const std::string& compression) {
+  return std::make_unique<Hdf5Sink>(path, info, compression);
+}
+
+}  // namespace dmi::sink

@@ -1,0 +1,60 @@
+// Where captured records end up. The ring's writer thread is the only caller
+// of write(); open() and close() run on the main thread before and after.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dmi::sink {
+
+enum class Layout {
+  dense,      // data [rows, ...row_shape]
+  topk,       // payload [rows, 2, K] float32: values then ids; stored as data (values) + ids
+  attention,  // data [rows, heads, max_len]: key position k of the same sequence, k <= pos
+};
+
+struct StreamInfo {
+  std::string name;  // TransformerLens site name
+  int layer = -1;    // -1 for global sites
+  std::vector<std::int64_t> row_shape;  // per-row payload shape
+  at::ScalarType dtype = at::kFloat;    // payload dtype (as stored)
+  Layout layout = Layout::dense;
+};
+
+// Root attributes, in order.
+struct RunInfo {
+  std::vector<std::pair<std::string, std::string>> text;
+  std::vector<std::pair<std::string, std::int64_t>> ints;
+};
+
+struct SequenceInfo {
+  std::string prompt, text, finish_reason;
+  std::vector<std::int32_t> prompt_ids, output_ids;
+};
+
+struct Finish {
+  std::string status;  // complete | interrupted | failed
+  std::uint64_t records_written = 0, records_dropped = 0;
+  std::vector<std::uint64_t> dropped_per_stream;
+  std::vector<SequenceInfo> sequences;
+};
+
+class Sink {
+ public:
+  virtual ~Sink() = default;
+  virtual void open(const std::vector<StreamInfo>& streams) = 0;
+  virtual void write(std::uint16_t stream, std::int32_t step, std::uint32_t rows, const std::int32_t* seq,
+                     const std::int32_t* pos, const void* data, std::size_t bytes) = 0;
+  virtual void close(const Finish& finish) = 0;
+};
+
+// Runs the whole transport and discards the data (to separate transport cost
+// from storage cost).
+std::unique_ptr<Sink> make_null_sink();
+
+}  // namespace dmi::sink

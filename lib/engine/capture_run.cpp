@@ -33,7 +33,7 @@ void validate_capture_config(const CaptureConfig& c) {
   parse_capture_dtype(c.capture_dtype);
   sink::validate_compression(c.compression);
   DMI_CHECK(c.every >= 1, "--every must be at least 1");
-  DMI_CHECK(c.ring_mb >= 1, "--ring-mb must be at least 1");
+  DMI_CHECK(c.ring_mb > 0, "--ring-mb must be positive");
   DMI_CHECK(c.on_full == "block" || c.on_full == "drop", "--on-full '{}' is not block or drop", c.on_full);
   DMI_CHECK(c.sink == "hdf5" || c.sink == "null", "--sink '{}' is not hdf5 or null", c.sink);
   DMI_CHECK(c.sink != "hdf5" || !c.output.empty(), "--hooks with --sink hdf5 needs --output FILE.h5");
@@ -53,7 +53,7 @@ CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, at::S
   point_ = std::make_unique<hooks::CapturePoint>(std::move(o), cfg, model_dtype);
   sink_ = c.sink == "null" ? sink::make_null_sink() : sink::make_hdf5_sink(c.output, info, c.compression);
   sink_->open(point_->streams());
-  ring_ = std::make_unique<ring::CpuRing>(c.ring_mb << 20, c.ring_records,
+  ring_ = std::make_unique<ring::CpuRing>(static_cast<std::size_t>(c.ring_mb * (1 << 20)), c.ring_records,
                                           c.on_full == "drop" ? ring::OnFull::drop : ring::OnFull::block,
                                           point_->streams().size(), *sink_);
   point_->attach(ring_.get());

@@ -19,7 +19,7 @@ struct CaptureConfig {
   int every = 1;
   std::string logits = "full";      // full | topk:K
   std::string capture_dtype = "model";  // model | float32 | float16 | bfloat16
-  std::size_t ring_mb = 256;
+  double ring_mb = 256;
   std::size_t ring_records = 1 << 16;
   std::string on_full = "block";    // block | drop
   std::string sink = "hdf5";        // hdf5 | null

@@ -1,0 +1,80 @@
+#!/usr/bin/python3
+"""Validates capture files against schemas/dmi-capture.schema.json.
+
+  capture_schema.py DMI_RUN TEST_MODELS
+
+Describes each file as JSON (attributes, datasets with dtype/rank/shape),
+validates it with python3-jsonschema, and checks the row-count invariants the
+schema cannot express.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import h5py
+import jsonschema
+import numpy as np
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+dmi_run, models = sys.argv[1], sys.argv[2]
+schema = json.load(open(os.path.join(ROOT, "schemas", "dmi-capture.schema.json")))
+
+
+def dtype_name(d):
+    if d.dtype.kind in "SOU" or h5py.check_string_dtype(d.dtype):
+        return "string"
+    t = d.id.get_type()
+    if isinstance(t, h5py.h5t.TypeFloatID) and t.get_size() == 2:
+        return "bfloat16" if t.get_fields()[2] == 8 else "float16"
+    return str(d.dtype)
+
+
+def attrs(obj):
+    out = {}
+    for k, v in obj.attrs.items():
+        if isinstance(v, bytes):
+            v = v.decode()
+        elif isinstance(v, np.ndarray):
+            v = v.tolist()
+        elif isinstance(v, np.integer):
+            v = int(v)
+        out[k] = v
+    return out
+
+
+def describe(f):
+    ds = lambda d: {"dtype": dtype_name(d), "rank": len(d.shape), "shape": list(d.shape)}  # noqa: E731
+    return {
+        "attributes": attrs(f),
+        "sequences": {k: ds(v) for k, v in f["sequences"].items()},
+        "sites": {name: dict({"attributes": attrs(g)}, **{k: ds(v) for k, v in g.items()})
+                  for name, g in f["sites"].items()},
+    }
+
+
+tmp = tempfile.mkdtemp()
+runs = [("qwen3-qknorm-bf16-misaligned", ["--hooks", "full", "--logits", "topk:5"]),
+        ("llama-gqa-f32", ["--hooks", "residual,kv", "--capture-dtype", "bfloat16", "--compression", "shuffle+gzip:4"]),
+        ("mistral-window-bf16-sharded", ["--hooks", "hf-hidden-states,pattern", "--capture-dtype", "float16"])]
+for model, extra in runs:
+    out = os.path.join(tmp, model + ".h5")
+    r = subprocess.run([dmi_run, "-q", "--model", os.path.join(models, model), "--prompt", "LOVE, n.",
+                        "--prompt", "WAR", "-b", "2", "-n", "4", "-o", out] + extra, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"FAIL: dmi-run {extra}: {r.stderr}")
+    with h5py.File(out, "r") as f:
+        doc = describe(f)
+        jsonschema.validate(doc, schema)
+        for name, g in f["sites"].items():
+            n = g["data"].shape[0]
+            if g["seq"].shape[0] != n or g["pos"].shape[0] != n:
+                sys.exit(f"FAIL: {name}: data/seq/pos row counts differ")
+        if len(f.attrs["records_dropped_per_site"]) != len(f["sites"]):
+            sys.exit("FAIL: records_dropped_per_site length")
+        off = f["sequences/offsets"][:]
+        if off[0] != 0 or off[-1] != f["sequences/tokens"].shape[0]:
+            sys.exit("FAIL: offsets")
+    print(f"{model} {' '.join(extra)}: valid ({len(doc['sites'])} sites)")
+print("ok")

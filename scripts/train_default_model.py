@@ -260,6 +260,9 @@ def main():
         json.dump(cfg, f, indent=2)
     with open(os.path.join(a.out, "tokenizer.json"), "w", encoding="utf-8") as f:
         json.dump(tj, f, ensure_ascii=False)
+    with open(os.path.join(a.out, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                   "eos_token": "<|endoftext|>", "model_max_length": cfg["max_position_embeddings"]}, f)
     print(f"done in {time.time() - t0:.0f}s, final val loss {vl.item():.3f}", flush=True)
 
 

@@ -205,7 +205,6 @@ int run(const Args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  dmi::engine::prepare_process_env(argc, argv);
   CLI::App app{"dmi-run: generate text with a Hugging Face model (config.json + safetensors + tokenizer.json)."};
   app.footer(
       "Examples:\n"
@@ -265,6 +264,7 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
     if (a.top_p <= 0.0) throw CLI::ValidationError("--top-p", "must be in (0, 1]");
+    dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(a.dtype));
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);
     std::fprintf(stderr, "dmi-run: error: %s (see --help)\n", e.what());

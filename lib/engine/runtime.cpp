@@ -33,7 +33,7 @@ bool cpu_has(const char* flag) {
 
 }  // namespace
 
-void prepare_process_env(int argc, char** argv) {
+void prepare_process_env(int argc, char** argv, MathOwner owner) {
   if (std::getenv("DMI_ENV_READY")) return;
   setenv("DMI_ENV_READY", "1", 1);
   // Debian's OpenBLAS 0.3.21 does not recognise recent CPUs and falls back to
@@ -43,9 +43,7 @@ void prepare_process_env(int argc, char** argv) {
     if (cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl")) setenv("OPENBLAS_CORETYPE", "SkylakeX", 0);
     else if (cpu_has("avx2")) setenv("OPENBLAS_CORETYPE", "Haswell", 0);
   }
-  // Idle pools sleep instead of spinning (see runtime.h).
-  setenv("OMP_WAIT_POLICY", "PASSIVE", 0);
-  setenv("OPENBLAS_THREAD_TIMEOUT", "4", 0);
+  if (owner == MathOwner::openblas) setenv("OMP_WAIT_POLICY", "PASSIVE", 0);
   std::vector<char*> args(argv, argv + argc);
   args.push_back(nullptr);
   ::execv("/proc/self/exe", args.data());

@@ -1,21 +1,33 @@
 // Process-wide runtime set-up: who owns the CPU threads.
 //
-// On 2 cores torch's OpenMP pool and OpenBLAS's pthread pool busy-wait against
-// each other. dmi gives the intra-op threads to torch (elementwise ops, oneDNN
-// bf16 matmul) and lets OpenBLAS use the same count for fp32 GEMM; both pools
-// are told to sleep instead of spinning once idle, so whichever runs next gets
-// the cores. OpenBLAS reads its settings when the library loads, before
-// main(), so prepare_process_env() re-executes the program once with them set.
+// Two pools can run dmi's math: torch's OpenMP pool (elementwise ops, and the
+// oneDNN matmuls of bfloat16) and OpenBLAS's pthreads (float32 GEMM). On a
+// 2-core machine they busy-wait against each other. dmi decides by compute
+// dtype:
+//   * bfloat16: OpenMP owns the cores and spins between ops (oneDNN's matmuls
+//     and the elementwise ops alternate quickly); OpenBLAS is idle;
+//   * float32: OpenMP threads sleep when idle (OMP_WAIT_POLICY=PASSIVE) so
+//     that OpenBLAS's GEMM threads get the cores; measured on this machine:
+//     float32 prefill 2x faster, while the same setting slows bfloat16 decode.
+// OpenBLAS also gets OPENBLAS_CORETYPE for this CPU (Debian's 0.3.21 does not
+// recognise it and would pick generic kernels). Both libraries read these
+// variables when they load, before main(), so prepare_process_env()
+// re-executes the program once with them set. Variables the user set win.
 #pragma once
 
 #include <string>
 
 namespace dmi::engine {
 
-// Call first in main(). If the environment lacks dmi's OpenBLAS/OpenMP
-// settings, sets them and re-executes /proc/self/exe with the same argv
-// (returns only when nothing needed changing or re-exec failed).
-void prepare_process_env(int argc, char** argv);
+enum class MathOwner { openmp, openblas };
+inline MathOwner math_owner_for(const std::string& dtype) {
+  return dtype == "float32" ? MathOwner::openblas : MathOwner::openmp;
+}
+
+// Call in main() before any tensor work. Unless already done, sets the
+// variables above and re-executes /proc/self/exe with the same argv (returns
+// only when nothing needed changing or re-exec failed).
+void prepare_process_env(int argc, char** argv, MathOwner owner);
 
 // Sets torch's intra-op threads and OpenBLAS's threads to n (n <= 0: the
 // number of online CPUs). Returns the count used.

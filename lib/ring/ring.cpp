@@ -12,6 +12,8 @@ namespace dmi::ring {
 
 namespace {
 constexpr std::size_t kAlign = 64;
+constexpr std::uint64_t kWakeRecords = 64;
+constexpr auto kWriterPeriod = std::chrono::milliseconds(20);
 std::size_t round_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 }  // namespace
 
@@ -65,7 +67,10 @@ bool CpuRing::push(const RecordMeta& meta, const std::vector<std::int64_t>& row_
         return false;
       }
       auto t0 = std::chrono::steady_clock::now();
+      producer_waiting_ = true;
+      data_cv_.notify_one();
       space_cv_.wait(lock, [&] { return fits(offset) || writer_error_; });
+      producer_waiting_ = false;
       if (writer_error_) std::rethrow_exception(writer_error_);
       stats_.producer_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
@@ -80,45 +85,57 @@ bool CpuRing::push(const RecordMeta& meta, const std::vector<std::int64_t>& row_
   shape.insert(shape.end(), row_shape.begin(), row_shape.end());
   at::Tensor dst = at::from_blob(span + header, shape, at::TensorOptions().dtype(dtype));
   fill(dst);
+  bool wake;
   {
     std::lock_guard<std::mutex> lock(mu_);
     records_[rec_head_ % records_.size()] = Record{meta.stream, meta.step, meta.rows, offset, need, data_bytes};
     ++rec_head_;
+    wake = writer_waiting_ && writer_needed();
   }
-  data_cv_.notify_one();
+  if (wake) data_cv_.notify_one();
   return true;
+}
+
+bool CpuRing::writer_needed() const {
+  const std::uint64_t pending = rec_head_ - rec_tail_;
+  return stopping_ ||
+         (pending > 0 && (producer_waiting_ || pending >= kWakeRecords || (head_ - tail_) * 4 >= arena_.size()));
 }
 
 void CpuRing::writer_loop() {
   const std::size_t cap = arena_.size();
+  std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    Record r;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      data_cv_.wait(lock, [&] { return rec_tail_ < rec_head_ || stopping_; });
-      if (rec_tail_ == rec_head_) return;  // stopping and drained
-      r = records_[rec_tail_ % records_.size()];
+    writer_waiting_ = true;
+    data_cv_.wait_for(lock, kWriterPeriod, [&] { return writer_needed(); });
+    writer_waiting_ = false;
+    if (rec_tail_ == rec_head_) {
+      if (stopping_) return;
+      continue;
     }
-    try {
-      const std::uint8_t* span = arena_.data() + r.offset % cap;
-      const auto* seq = reinterpret_cast<const std::int32_t*>(span);
-      const auto* pos = seq + r.rows;
-      const std::size_t header = round_up(2 * sizeof(std::int32_t) * r.rows);
-      sink_.write(r.stream, r.step, r.rows, seq, pos, span + header, r.data_bytes);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(mu_);
-      writer_error_ = std::current_exception();
-      space_cv_.notify_all();
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
+    // Write everything pending, without the lock while the sink works.
+    while (rec_tail_ < rec_head_) {
+      const Record r = records_[rec_tail_ % records_.size()];
+      lock.unlock();
+      try {
+        const std::uint8_t* span = arena_.data() + r.offset % cap;
+        const auto* seq = reinterpret_cast<const std::int32_t*>(span);
+        const auto* pos = seq + r.rows;
+        const std::size_t header = round_up(2 * sizeof(std::int32_t) * r.rows);
+        sink_.write(r.stream, r.step, r.rows, seq, pos, span + header, r.data_bytes);
+      } catch (...) {
+        lock.lock();
+        writer_error_ = std::current_exception();
+        space_cv_.notify_all();
+        return;
+      }
+      lock.lock();
       ++rec_tail_;
       tail_ = r.offset + r.bytes;
       ++stats_.records_written;
       stats_.bytes_written += r.data_bytes;
+      if (producer_waiting_) space_cv_.notify_one();
     }
-    space_cv_.notify_one();
   }
 }
 
@@ -127,7 +144,7 @@ void CpuRing::drain() {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
-  data_cv_.notify_one();
+  data_cv_.notify_all();
   if (writer_.joinable()) writer_.join();
   std::lock_guard<std::mutex> lock(mu_);
   if (writer_error_) {

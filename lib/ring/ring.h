@@ -8,6 +8,11 @@
 // either waits (OnFull::block, lossless) or drops the record and counts it
 // (OnFull::drop, never stalls).
 //
+// On a machine with few cores every wake-up of the writer takes a core from
+// the forward pass, so the writer is woken in batches: when a quarter of the
+// arena or 64 records are pending, when the producer must wait, or every
+// 20 ms.
+//
 // Producer is the seam a CUDA ring implements (device arena, pinned staging,
 // copy stream + events, write cursors in device memory) without touching
 // hooks or sinks.
@@ -85,6 +90,8 @@ class CpuRing final : public Producer {
 
  private:
   void writer_loop();
+  // Whether the writer should run now rather than at its next timeout.
+  bool writer_needed() const;
   std::vector<std::uint8_t> arena_;
   std::vector<Record> records_;
   const OnFull on_full_;
@@ -95,6 +102,7 @@ class CpuRing final : public Producer {
   std::uint64_t head_ = 0, tail_ = 0;          // payload cursors (bytes)
   std::uint64_t rec_head_ = 0, rec_tail_ = 0;  // record cursors
   bool stopping_ = false;
+  bool writer_waiting_ = false, producer_waiting_ = false;
   std::exception_ptr writer_error_;
   RingStats stats_;
   std::thread writer_;

@@ -129,8 +129,10 @@ class Table {
       dims[i + 1] = maxdims[i + 1] = chunk[i + 1] = static_cast<hsize_t>(row_shape[i]);
       row_bytes *= static_cast<std::size_t>(row_shape[i]);
     }
-    // ~512 KiB chunks (two fit the default 1 MiB chunk cache).
-    chunk[0] = static_cast<hsize_t>(std::clamp<std::size_t>((512u << 10) / std::max<std::size_t>(row_bytes, 1), 1, 8192));
+    // ~128 KiB chunks of whole rows: an append touches one or two chunks,
+    // which the default 1 MiB chunk cache holds, and a small capture does not
+    // pay for large, mostly empty chunks.
+    chunk[0] = static_cast<hsize_t>(std::clamp<std::size_t>((128u << 10) / std::max<std::size_t>(row_bytes, 1), 1, 8192));
     row_dims_.assign(dims.begin() + 1, dims.end());
     hid_t space = H5Screate_simple(rank_, dims.data(), maxdims.data());
     hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
@@ -225,6 +227,7 @@ class Hdf5Sink final : public Sink {
       DMI_CHECK(s->group >= 0, "{}: cannot create /sites/{}", path_, si.name);
       set_attr_text(s->group, "site", si.name);
       set_attr_int(s->group, "layer", si.layer);
+      set_attr_int(s->group, "index", static_cast<std::int64_t>(streams_.size()));
       if (si.layout == Layout::topk) {
         const std::int64_t k = si.row_shape.back();
         hid_t f32 = H5Tcopy(H5T_IEEE_F32LE), i32 = H5Tcopy(H5T_STD_I32LE);

@@ -1,0 +1,492 @@
+// dmi-inspect: query a dmi capture file. A thin front end over
+// sink::CaptureFile and analysis/.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "analysis/png.h"
+#include "analysis/stats.h"
+#include "common/error.h"
+#include "io/tokenizer.h"
+#include "sink/capture_file.h"
+
+using nlohmann::json;
+using dmi::sink::CaptureFile;
+
+namespace {
+
+struct Options {
+  std::string file, tokenizer, site, match = "*", pos, index, format = "table", npy, png, by;
+  int seq = -1, layer = -1, head = -1, qpos = -1, top = 10;
+  bool json = false;
+};
+
+// The tokenizer named in the file (or --tokenizer), if it can be loaded.
+std::unique_ptr<dmi::io::Tokenizer> load_tokenizer(const CaptureFile& f, const Options& o) {
+  std::string path = o.tokenizer.empty() ? f.text_attr("tokenizer_path") : o.tokenizer;
+  if (path.empty()) return nullptr;
+  try {
+    return std::make_unique<dmi::io::Tokenizer>(dmi::io::Tokenizer::load(path));
+  } catch (const dmi::Error&) {
+    if (!o.tokenizer.empty()) throw;
+    std::fprintf(stderr, "dmi-inspect: note: tokenizer %s not readable; showing token ids only (use --tokenizer)\n",
+                 path.c_str());
+    return nullptr;
+  }
+}
+
+std::string token_text(const dmi::io::Tokenizer* tok, std::int32_t id) {
+  return tok ? tok->decode({id}) : fmt::format("#{}", id);
+}
+
+// "A:B", "A:" or ":B" (end exclusive).
+std::pair<std::int32_t, std::int32_t> parse_range(const std::string& s) {
+  if (s.empty()) return {0, std::numeric_limits<std::int32_t>::max()};
+  auto colon = s.find(':');
+  try {
+    if (colon == std::string::npos) {
+      int p = std::stoi(s);
+      return {p, p + 1};
+    }
+    std::string a = s.substr(0, colon), b = s.substr(colon + 1);
+    return {a.empty() ? 0 : std::stoi(a), b.empty() ? std::numeric_limits<std::int32_t>::max() : std::stoi(b)};
+  } catch (const std::logic_error&) {
+    DMI_FAIL("'{}' is not a position or range A:B", s);
+  }
+}
+
+// --index "2,0:8": per row dimension an index or a range.
+at::Tensor apply_index(at::Tensor x, const std::string& spec) {
+  if (spec.empty()) return x;
+  std::vector<std::string> parts;
+  std::size_t i = 0;
+  while (i <= spec.size()) {
+    auto j = spec.find(',', i);
+    if (j == std::string::npos) j = spec.size();
+    parts.push_back(spec.substr(i, j - i));
+    i = j + 1;
+  }
+  DMI_CHECK(static_cast<std::int64_t>(parts.size()) <= x.dim() - 1, "--index '{}' has {} parts; rows have {} dimensions",
+            spec, parts.size(), x.dim() - 1);
+  std::int64_t dim = 1;
+  for (const auto& p : parts) {
+    const std::int64_t size = x.size(dim);
+    if (p.find(':') == std::string::npos) {
+      auto [a, b] = parse_range(p);
+      DMI_CHECK(a >= 0 && a < size, "--index {} is out of range for a dimension of size {}", a, size);
+      x = x.select(dim, a);
+    } else {
+      auto [a, b] = parse_range(p);
+      b = std::min<std::int64_t>(b, size);
+      DMI_CHECK(a >= 0 && a < b, "--index range '{}' is empty or out of range (size {})", p, size);
+      x = x.narrow(dim, a, b - a);
+      ++dim;
+    }
+  }
+  return x;
+}
+
+json nested(const at::Tensor& t) {
+  if (t.dim() == 0) {
+    double v = t.item<double>();
+    return std::isfinite(v) ? json(v) : json(std::isnan(v) ? "nan" : (v > 0 ? "inf" : "-inf"));
+  }
+  json a = json::array();
+  for (std::int64_t i = 0; i < t.size(0); ++i) a.push_back(nested(t[i]));
+  return a;
+}
+
+void write_npy(const std::string& path, const at::Tensor& t) {
+  at::Tensor x = t.to(at::kFloat).contiguous();
+  std::string shape;
+  for (auto d : x.sizes()) shape += std::to_string(d) + ", ";
+  if (x.dim() == 1) shape = std::to_string(x.size(0)) + ",";
+  else if (!shape.empty()) shape.resize(shape.size() - 2);
+  std::string header = "{'descr': '<f4', 'fortran_order': False, 'shape': (" + shape + "), }";
+  while ((10 + header.size() + 1) % 64) header += ' ';
+  header += '\n';
+  std::ofstream f(path, std::ios::binary);
+  DMI_CHECK(f, "{}: cannot write", path);
+  f.write("\x93NUMPY\x01\x00", 8);
+  const std::uint16_t n = static_cast<std::uint16_t>(header.size());
+  f.write(reinterpret_cast<const char*>(&n), 2);
+  f << header;
+  f.write(static_cast<const char*>(x.data_ptr()), static_cast<std::streamsize>(x.numel() * 4));
+  DMI_CHECK(f.good(), "{}: write failed (disk full?)", path);
+}
+
+std::string fmt_bytes(std::uint64_t b) {
+  if (b >= (1ull << 30)) return fmt::format("{:.2f} GiB", b / double(1ull << 30));
+  if (b >= (1ull << 20)) return fmt::format("{:.1f} MiB", b / double(1ull << 20));
+  if (b >= 1024) return fmt::format("{:.1f} KiB", b / 1024.0);
+  return fmt::format("{} B", b);
+}
+
+json stats_json(const dmi::analysis::Stats& s) {
+  return {{"count", s.count}, {"mean", s.mean}, {"std", s.std}, {"rms", s.rms},
+          {"min", s.min},     {"max", s.max},   {"nan", s.nan}, {"inf", s.inf}};
+}
+
+int cmd_summary(const CaptureFile& f, const Options& o) {
+  json j;
+  for (const char* k : {"model_path", "architecture", "compute_dtype", "capture_dtype", "selection", "token_policy",
+                        "logits", "status", "command_line", "tool_version"})
+    j[k] = f.text_attr(k);
+  for (const char* k : {"every", "records_written", "records_dropped", "seed"}) j[k] = f.int_attr(k).value_or(0);
+  j["sequences"] = f.n_sequences();
+  std::uint64_t stored = 0, raw = 0;
+  j["sites"] = json::array();
+  for (const auto& s : f.sites()) {
+    stored += s.stored_bytes;
+    raw += s.raw_bytes;
+    j["sites"].push_back({{"name", s.name}, {"layer", s.layer}, {"layout", s.layout}, {"rows", s.rows},
+                          {"shape", s.row_shape}, {"dtype", s.dtype}, {"stored_bytes", s.stored_bytes},
+                          {"raw_bytes", s.raw_bytes}, {"records_dropped", s.records_dropped}});
+  }
+  j["stored_bytes"] = stored;
+  j["raw_bytes"] = raw;
+  if (o.json) {
+    std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  fmt::print("{}\n", f.path());
+  fmt::print("  model        {} ({})\n", j["model_path"].get<std::string>(), j["architecture"].get<std::string>());
+  fmt::print("  dtypes       compute {}, capture {}\n", j["compute_dtype"].get<std::string>(),
+             j["capture_dtype"].get<std::string>());
+  fmt::print("  selection    {}\n", j["selection"].get<std::string>());
+  fmt::print("  tokens       {} (every {} decode steps), logits {}\n", j["token_policy"].get<std::string>(),
+             j["every"].get<std::int64_t>(), j["logits"].get<std::string>());
+  fmt::print("  status       {}\n", j["status"].get<std::string>());
+  fmt::print("  records      {} written, {} dropped\n", j["records_written"].get<std::int64_t>(),
+             j["records_dropped"].get<std::int64_t>());
+  fmt::print("  sequences    {}\n", f.n_sequences());
+  fmt::print("  sites        {} ({} stored, {} uncompressed)\n", f.sites().size(), fmt_bytes(stored), fmt_bytes(raw));
+  int last_layer = -2;
+  for (const auto& s : f.sites()) {
+    if (s.layer != last_layer && s.layer >= 0) fmt::print("    blocks.{}\n", s.layer);
+    last_layer = s.layer;
+    std::string shape = fmt::format("[{}]", fmt::join(s.row_shape, ", "));
+    fmt::print("    {}{:<34} {:>8} rows  {:<14} {:<8} {:>10} / {:>10}{}\n", s.layer >= 0 ? "  " : "",
+               s.layer >= 0 ? s.name.substr(s.name.find('.', 7) + 1) : s.name, s.rows, shape, s.dtype,
+               fmt_bytes(s.stored_bytes), fmt_bytes(s.raw_bytes),
+               s.records_dropped ? fmt::format("  ({} records dropped)", s.records_dropped) : "");
+  }
+  return 0;
+}
+
+int cmd_sites(const CaptureFile& f, const Options& o) {
+  auto names = dmi::analysis::match_sites(f, o.match);
+  if (o.json) {
+    std::cout << json(names).dump(2) << "\n";
+    return 0;
+  }
+  for (const auto& n : names) fmt::print("{}\n", n);
+  return 0;
+}
+
+int cmd_text(const CaptureFile& f, const Options& o) {
+  auto tok = load_tokenizer(f, o);
+  json out = json::array();
+  for (std::size_t s = 0; s < f.n_sequences(); ++s) {
+    if (o.seq >= 0 && static_cast<std::size_t>(o.seq) != s) continue;
+    auto ids = f.tokens(s);
+    json toks = json::array();
+    for (std::size_t p = 0; p < ids.size(); ++p)
+      toks.push_back({{"pos", p}, {"id", ids[p]}, {"text", token_text(tok.get(), ids[p])},
+                      {"prompt", static_cast<std::int32_t>(p) < f.prompt_length(s)}});
+    out.push_back({{"seq", s}, {"prompt", f.prompt_text(s)}, {"generated", f.generated_text(s)},
+                   {"finish_reason", f.finish_reason(s)}, {"tokens", toks}});
+  }
+  if (o.seq >= 0 && out.empty())
+    DMI_FAIL("{}: sequence {} does not exist (the file has {})", f.path(), o.seq, f.n_sequences());
+  if (o.json) {
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  for (const auto& s : out) {
+    fmt::print("[{}] ({}) {}|{}\n", s["seq"].get<std::size_t>(), s["finish_reason"].get<std::string>(),
+               s["prompt"].get<std::string>(), s["generated"].get<std::string>());
+    std::string line;
+    for (const auto& t : s["tokens"]) {
+      std::string piece = json(t["text"].get<std::string>()).dump();
+      line += fmt::format("{}{}:{} ", t["prompt"].get<bool>() ? "" : "+", t["pos"].get<std::size_t>(), piece);
+    }
+    fmt::print("    {}\n", line);
+  }
+  return 0;
+}
+
+int cmd_show(const CaptureFile& f, const Options& o) {
+  const auto& e = f.site(o.site);
+  auto [lo, hi] = parse_range(o.pos);
+  std::optional<std::int32_t> seq;
+  if (o.seq >= 0) seq = o.seq;
+  auto rows = f.find_rows(o.site, seq, lo, hi);
+  DMI_CHECK(!rows.empty(), "{}: no rows of {} for{}{}", f.path(), o.site,
+            seq ? fmt::format(" sequence {}", *seq) : std::string(" any sequence"),
+            o.pos.empty() ? std::string() : fmt::format(" positions {}", o.pos));
+  at::Tensor x = apply_index(f.read_rows(o.site, rows), o.index);
+  const auto& sq = f.seq_of(o.site);
+  const auto& ps = f.pos_of(o.site);
+  if (!o.npy.empty()) {
+    write_npy(o.npy, x);
+    std::fprintf(stderr, "dmi-inspect: wrote %s: float32 [%s], rows ordered by (seq, pos)\n", o.npy.c_str(),
+                 fmt::format("{}", fmt::join(x.sizes(), ", ")).c_str());
+    return 0;
+  }
+  const std::string format = o.json ? "json" : o.format;
+  if (format == "json") {
+    json out = {{"site", o.site}, {"layout", e.layout}, {"row_shape", std::vector<std::int64_t>(x.sizes().begin() + 1, x.sizes().end())}, {"rows", json::array()}};
+    for (std::size_t r = 0; r < rows.size(); ++r)
+      out["rows"].push_back({{"seq", sq[rows[r]]}, {"pos", ps[rows[r]]}, {"values", nested(x[r])}});
+    std::cout << out.dump() << "\n";
+    return 0;
+  }
+  at::Tensor flat = x.reshape({x.size(0), -1});
+  const std::int64_t n = flat.size(1);
+  if (format == "csv") {
+    std::string header = "seq,pos";
+    for (std::int64_t i = 0; i < n; ++i) header += fmt::format(",v{}", i);
+    fmt::print("{}\n", header);
+    for (std::size_t r = 0; r < rows.size(); ++r) {
+      std::string line = fmt::format("{},{}", sq[rows[r]], ps[rows[r]]);
+      const float* p = flat[r].data_ptr<float>();
+      for (std::int64_t i = 0; i < n; ++i) line += fmt::format(",{:.9g}", p[i]);
+      fmt::print("{}\n", line);
+    }
+    return 0;
+  }
+  DMI_CHECK(format == "table", "--format '{}' is not table, json or csv", format);
+  fmt::print("{}  row shape [{}]{}\n", o.site, fmt::join(x.sizes().begin() + 1, x.sizes().end(), ", "),
+             n > 12 ? fmt::format("  (first 8 and last 4 of {} values; --format csv or --npy for all)", n) : "");
+  for (std::size_t r = 0; r < rows.size(); ++r) {
+    at::Tensor v = flat[r].contiguous();
+    const float* p = v.data_ptr<float>();
+    std::string vals;
+    for (std::int64_t i = 0; i < n; ++i) {
+      if (n > 12 && i == 8) {
+        vals += " ...";
+        i = n - 4;
+      }
+      vals += fmt::format(" {:>11.5g}", p[i]);
+    }
+    fmt::print("seq {:>3} pos {:>4} |{}\n", sq[rows[r]], ps[rows[r]], vals);
+  }
+  return 0;
+}
+
+int cmd_stats(const CaptureFile& f, const Options& o) {
+  auto sites = dmi::analysis::match_sites(f, o.site);
+  auto lines = dmi::analysis::site_stats(f, sites, dmi::analysis::parse_group_by(o.by));
+  if (o.json) {
+    json out = json::array();
+    for (const auto& [label, s] : lines) out.push_back({{"group", label}, {"stats", stats_json(s)}});
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  std::size_t w = 8;
+  for (const auto& [label, s] : lines) w = std::max(w, label.size());
+  fmt::print("{:<{}} {:>10} {:>11} {:>11} {:>11} {:>11} {:>11} {:>5} {:>5}\n", o.by.empty() ? "site" : o.by, w,
+             "count", "mean", "std", "rms", "min", "max", "nan", "inf");
+  for (const auto& [label, s] : lines)
+    fmt::print("{:<{}} {:>10} {:>11.5g} {:>11.5g} {:>11.5g} {:>11.5g} {:>11.5g} {:>5} {:>5}\n", label, w, s.count,
+               s.mean, s.std, s.rms, s.min, s.max, s.nan, s.inf);
+  return 0;
+}
+
+int cmd_attention(const CaptureFile& f, const Options& o) {
+  const std::string site = fmt::format("blocks.{}.attn.hook_pattern", o.layer);
+  DMI_CHECK(f.has_site(site), "{}: no site {} (capture it with dmi-run --hooks pattern)", f.path(), site);
+  const auto& e = f.site(site);
+  DMI_CHECK(o.seq >= 0, "attention needs --seq");
+  auto rows = f.find_rows(site, o.seq);
+  DMI_CHECK(!rows.empty(), "{}: no {} rows for sequence {}", f.path(), site, o.seq);
+  const auto& ps = f.pos_of(site);
+  const std::int64_t H = e.row_shape[0];
+  DMI_CHECK(o.head < H, "--head {} is out of range ({} heads)", o.head, H);
+  auto tok = load_tokenizer(f, o);
+  auto ids = f.tokens(static_cast<std::size_t>(o.seq));
+  if (!o.png.empty()) {
+    const int h = o.head < 0 ? 0 : o.head;
+    at::Tensor x = f.read_rows(site, rows).select(1, h);  // [q, W]
+    const std::int64_t maxpos = ps[rows.back()];
+    x = x.narrow(1, 0, maxpos + 1);
+    const int cell = static_cast<int>(std::max<std::int64_t>(2, 640 / std::max<std::int64_t>(x.size(0), x.size(1))));
+    dmi::analysis::write_heatmap_png(o.png, x, cell);
+    std::fprintf(stderr, "dmi-inspect: wrote %s: layer %d head %d, %lld queries x %lld keys, %d px per cell\n",
+                 o.png.c_str(), o.layer, h, static_cast<long long>(x.size(0)), static_cast<long long>(x.size(1)), cell);
+    return 0;
+  }
+  std::int64_t row = rows.back();
+  if (o.qpos >= 0) {
+    auto r = f.find_rows(site, o.seq, o.qpos, o.qpos + 1);
+    DMI_CHECK(!r.empty(), "{}: no query row at position {} of sequence {}", f.path(), o.qpos, o.seq);
+    row = r[0];
+  }
+  const std::int32_t qp = ps[row];
+  at::Tensor x = f.read_rows(site, {row})[0].narrow(1, 0, qp + 1);  // [H, qp+1]
+  json out = {{"layer", o.layer}, {"seq", o.seq}, {"pos", qp}, {"query", token_text(tok.get(), ids[qp])},
+              {"heads", json::array()}};
+  for (std::int64_t h = 0; h < H; ++h) {
+    if (o.head >= 0 && h != o.head) continue;
+    auto top = at::topk(x[h], std::min<std::int64_t>(o.top, qp + 1));
+    json keys = json::array();
+    for (std::int64_t k = 0; k < std::get<0>(top).size(0); ++k) {
+      const std::int64_t kp = std::get<1>(top)[k].item<std::int64_t>();
+      keys.push_back({{"pos", kp}, {"token", token_text(tok.get(), ids[kp])}, {"weight", std::get<0>(top)[k].item<double>()}});
+    }
+    out["heads"].push_back({{"head", h}, {"top", keys}});
+  }
+  if (o.json) {
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  fmt::print("layer {} seq {} query pos {} {}\n", o.layer, o.seq, qp, json(out["query"]).dump());
+  for (const auto& h : out["heads"]) {
+    std::string line;
+    for (const auto& k : h["top"])
+      line += fmt::format("  {}:{} {:.3f}", k["pos"].get<std::int64_t>(), json(k["token"]).dump(), k["weight"].get<double>());
+    fmt::print("  head {:>2}:{}\n", h["head"].get<std::int64_t>(), line);
+  }
+  return 0;
+}
+
+int cmd_logits(const CaptureFile& f, const Options& o) {
+  const std::string site = "unembed.hook_out";
+  DMI_CHECK(f.has_site(site), "{}: no logits in this capture (capture them with dmi-run --hooks logits)", f.path());
+  DMI_CHECK(o.seq >= 0 && o.qpos >= 0, "logits needs --seq and --pos");
+  auto rows = f.find_rows(site, o.seq, o.qpos, o.qpos + 1);
+  DMI_CHECK(!rows.empty(), "{}: no logits row for sequence {} position {}", f.path(), o.seq, o.qpos);
+  const auto& e = f.site(site);
+  auto tok = load_tokenizer(f, o);
+  at::Tensor logits = f.read_rows(site, rows)[0].to(at::kDouble);
+  at::Tensor values, ids;
+  bool renormalised = false;
+  if (e.layout == "topk") {
+    values = logits;
+    ids = f.read_ids(site, rows)[0].to(at::kLong);
+    renormalised = true;
+  } else {
+    auto top = at::topk(logits, std::min<std::int64_t>(o.top, logits.size(0)));
+    values = std::get<0>(top);
+    ids = std::get<1>(top);
+  }
+  // Probabilities: softmax over the full vocabulary, or over the stored top-K.
+  at::Tensor lse = at::logsumexp(e.layout == "topk" ? values : logits, 0);
+  const std::int64_t k = std::min<std::int64_t>(o.top, values.size(0));
+  auto seq_tokens = f.tokens(static_cast<std::size_t>(o.seq));
+  json out = {{"seq", o.seq}, {"pos", o.qpos}, {"token", token_text(tok.get(), seq_tokens[o.qpos])},
+              {"probabilities", renormalised ? "renormalised over the stored top-K" : "softmax over the vocabulary"},
+              {"top", json::array()}};
+  if (static_cast<std::size_t>(o.qpos + 1) < seq_tokens.size())
+    out["next_token"] = {{"id", seq_tokens[o.qpos + 1]}, {"text", token_text(tok.get(), seq_tokens[o.qpos + 1])}};
+  for (std::int64_t i = 0; i < k; ++i) {
+    const std::int32_t id = static_cast<std::int32_t>(ids[i].item<std::int64_t>());
+    out["top"].push_back({{"rank", i + 1}, {"id", id}, {"text", token_text(tok.get(), id)},
+                          {"logit", values[i].item<double>()},
+                          {"prob", std::exp(values[i].item<double>() - lse.item<double>())}});
+  }
+  if (o.json) {
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  fmt::print("seq {} pos {} {} -> next {} (probabilities {})\n", o.seq, o.qpos, json(out["token"]).dump(),
+             out.contains("next_token") ? json(out["next_token"]["text"]).dump() : "(end)",
+             out["probabilities"].get<std::string>());
+  for (const auto& t : out["top"])
+    fmt::print("  {:>3}. {:>8} {:<20} logit {:>9.4f}  p {:.4f}\n", t["rank"].get<std::int64_t>(),
+               t["id"].get<std::int32_t>(), json(t["text"]).dump(), t["logit"].get<double>(), t["prob"].get<double>());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"dmi-inspect: query a dmi capture file (written by dmi-run --hooks ... -o FILE)."};
+  app.footer(
+      "Examples:\n"
+      "  dmi-inspect run.h5 summary\n"
+      "  dmi-inspect run.h5 sites --match 'blocks.*.hook_resid_post'\n"
+      "  dmi-inspect run.h5 text --seq 0\n"
+      "  dmi-inspect run.h5 show blocks.1.hook_resid_post --seq 0 --pos 2:5\n"
+      "  dmi-inspect run.h5 show blocks.0.attn.hook_z --seq 0 --index 3,0:8 --format csv\n"
+      "  dmi-inspect run.h5 show blocks.0.hook_resid_post --npy resid.npy\n"
+      "  dmi-inspect run.h5 stats 'blocks.*.hook_resid_post' --by layer\n"
+      "  dmi-inspect run.h5 attention --layer 3 --seq 0 --top 5\n"
+      "  dmi-inspect run.h5 attention --layer 3 --head 1 --seq 0 --png head.png\n"
+      "  dmi-inspect run.h5 logits --seq 0 --pos 7 --top 10\n"
+      "\nEvery command takes --json. Exit status: 0 ok, 2 bad input or unreadable file.");
+  app.require_subcommand(1);
+  Options o;
+  app.add_option("file", o.file, "capture file (.h5)")->required();
+  app.add_option("--tokenizer", o.tokenizer, "tokenizer.json for token text (default: the one the file names)");
+  app.add_flag("--json", o.json, "machine-readable output");
+  auto* summary = app.add_subcommand("summary", "model, settings, status, records and the tree of sites");
+  auto* sites = app.add_subcommand("sites", "list site names");
+  sites->add_option("--match", o.match, "glob over site names")->capture_default_str();
+  auto* text = app.add_subcommand("text", "each sequence's text with token boundaries and positions");
+  text->add_option("--seq", o.seq, "only this sequence");
+  auto* show = app.add_subcommand("show", "print rows of a site");
+  show->add_option("site", o.site, "site name")->required();
+  show->add_option("--seq", o.seq, "sequence index");
+  show->add_option("--pos", o.pos, "position or range A:B (end exclusive)");
+  show->add_option("--index", o.index, "per row dimension an index or range, e.g. 3,0:8");
+  show->add_option("--format", o.format, "table, json or csv")->capture_default_str()
+      ->check(CLI::IsMember({"table", "json", "csv"}));
+  show->add_option("--npy", o.npy, "write the rows as a NumPy .npy file instead");
+  auto* stats = app.add_subcommand("stats", "count, mean, std, RMS, min, max, NaN/Inf counts");
+  stats->add_option("site", o.site, "site name or glob")->required();
+  stats->add_option("--by", o.by, "one line per layer, seq or pos")->check(CLI::IsMember({"layer", "seq", "pos"}));
+  auto* attention = app.add_subcommand("attention", "top attended tokens of a query, or a heatmap (needs pattern)");
+  attention->add_option("--layer", o.layer, "layer")->required()->check(CLI::NonNegativeNumber);
+  attention->add_option("--head", o.head, "head (default: all; the PNG uses head 0)");
+  attention->add_option("--seq", o.seq, "sequence index")->required();
+  attention->add_option("--pos", o.qpos, "query position (default: the last captured)");
+  attention->add_option("--top", o.top, "keys per head")->capture_default_str()->check(CLI::PositiveNumber);
+  attention->add_option("--png", o.png, "write the [query, key] pattern of one head as a PNG heatmap");
+  auto* logits = app.add_subcommand("logits", "top next tokens with probabilities (needs logits)");
+  logits->add_option("--seq", o.seq, "sequence index")->required();
+  logits->add_option("--pos", o.qpos, "position")->required();
+  logits->add_option("--top", o.top, "how many")->capture_default_str()->check(CLI::PositiveNumber);
+  for (auto* sub : {summary, sites, text, show, stats, attention, logits}) sub->add_flag("--json", o.json, "machine-readable output");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::fprintf(stderr, "dmi-inspect: error: %s (see --help)\n", e.what());
+    return 2;
+  }
+  try {
+    auto f = CaptureFile::open(o.file);
+    const std::string status = f->status();
+    if (status != "complete")
+      std::fprintf(stderr, "dmi-inspect: warning: %s has status '%s': the run did not finish; showing the data there is\n",
+                   o.file.c_str(), status.c_str());
+    if (summary->parsed()) return cmd_summary(*f, o);
+    if (sites->parsed()) return cmd_sites(*f, o);
+    if (text->parsed()) return cmd_text(*f, o);
+    if (show->parsed()) return cmd_show(*f, o);
+    if (stats->parsed()) return cmd_stats(*f, o);
+    if (attention->parsed()) return cmd_attention(*f, o);
+    if (logits->parsed()) return cmd_logits(*f, o);
+  } catch (const dmi::Error& e) {
+    std::fprintf(stderr, "dmi-inspect: error: %s\n", e.what());
+    return 2;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "dmi-inspect: internal error: %s\n", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dmi-inspect: internal error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,308 @@
+#include "sink/capture_file.h"
+
+#include <ATen/ATen.h>
+#include <fmt/ranges.h>
+#include <hdf5.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "common/error.h"
+#include "sink/hdf5_sink.h"
+
+namespace dmi::sink {
+
+namespace {
+
+// Closes an HDF5 handle at scope exit.
+struct H5Handle {
+  hid_t id;
+  herr_t (*close)(hid_t);
+  ~H5Handle() {
+    if (id >= 0) close(id);
+  }
+};
+
+std::string read_text_attr(hid_t loc, const std::string& name) {
+  if (H5Aexists(loc, name.c_str()) <= 0) return "";
+  H5Handle a{H5Aopen(loc, name.c_str(), H5P_DEFAULT), H5Aclose};
+  H5Handle t{H5Aget_type(a.id), H5Tclose};
+  if (H5Tget_class(t.id) != H5T_STRING) return "";
+  if (H5Tis_variable_str(t.id) > 0) {
+    H5Handle mt{H5Tcopy(H5T_C_S1), H5Tclose};
+    H5Tset_size(mt.id, H5T_VARIABLE);
+    H5Tset_cset(mt.id, H5Tget_cset(t.id));
+    char* p = nullptr;
+    if (H5Aread(a.id, mt.id, &p) < 0 || !p) return "";
+    std::string s(p);
+    H5free_memory(p);
+    return s;
+  }
+  std::string s(H5Tget_size(t.id), '\0');
+  H5Aread(a.id, t.id, s.data());
+  return s.substr(0, s.find('\0'));
+}
+
+std::optional<std::int64_t> read_int_attr(hid_t loc, const std::string& name) {
+  if (H5Aexists(loc, name.c_str()) <= 0) return std::nullopt;
+  H5Handle a{H5Aopen(loc, name.c_str(), H5P_DEFAULT), H5Aclose};
+  H5Handle t{H5Aget_type(a.id), H5Tclose};
+  H5Handle s{H5Aget_space(a.id), H5Sclose};
+  if (H5Tget_class(t.id) != H5T_INTEGER || H5Sget_simple_extent_npoints(s.id) != 1) return std::nullopt;
+  std::int64_t v = 0;
+  if (H5Aread(a.id, H5T_NATIVE_INT64, &v) < 0) return std::nullopt;
+  return v;
+}
+
+std::vector<hsize_t> dims_of(hid_t dset) {
+  H5Handle s{H5Dget_space(dset), H5Sclose};
+  int rank = H5Sget_simple_extent_ndims(s.id);
+  std::vector<hsize_t> d(std::max(rank, 0));
+  H5Sget_simple_extent_dims(s.id, d.data(), nullptr);
+  return d;
+}
+
+template <typename T>
+std::vector<T> read_all(hid_t loc, const std::string& name, hid_t mem_type, const std::string& path) {
+  H5Handle d{H5Dopen2(loc, name.c_str(), H5P_DEFAULT), H5Dclose};
+  DMI_CHECK(d.id >= 0, "{}: missing dataset '{}': not a complete dmi capture", path, name);
+  auto dims = dims_of(d.id);
+  hsize_t n = 1;
+  for (auto x : dims) n *= x;
+  std::vector<T> out(n);
+  if (n) DMI_CHECK(H5Dread(d.id, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()) >= 0,
+                   "{}: cannot read '{}' (file truncated?)", path, name);
+  return out;
+}
+
+std::vector<std::string> read_strings(hid_t loc, const std::string& name, const std::string& path) {
+  H5Handle d{H5Dopen2(loc, name.c_str(), H5P_DEFAULT), H5Dclose};
+  DMI_CHECK(d.id >= 0, "{}: missing dataset '{}': not a complete dmi capture", path, name);
+  auto dims = dims_of(d.id);
+  const std::size_t n = dims.empty() ? 0 : dims[0];
+  H5Handle mt{H5Tcopy(H5T_C_S1), H5Tclose};
+  H5Tset_size(mt.id, H5T_VARIABLE);
+  H5Tset_cset(mt.id, H5T_CSET_UTF8);
+  std::vector<char*> ptrs(n, nullptr);
+  std::vector<std::string> out;
+  if (n == 0) return out;
+  DMI_CHECK(H5Dread(d.id, mt.id, H5S_ALL, H5S_ALL, H5P_DEFAULT, ptrs.data()) >= 0, "{}: cannot read '{}'", path,
+            name);
+  for (char* p : ptrs) out.emplace_back(p ? p : "");
+  H5Handle space{H5Dget_space(d.id), H5Sclose};
+  H5Dvlen_reclaim(mt.id, space.id, H5P_DEFAULT, ptrs.data());
+  return out;
+}
+
+std::string dtype_name(hid_t t) {
+  if (H5Tget_class(t) == H5T_INTEGER) return "int32";
+  if (H5Tget_size(t) == 4) return "float32";
+  size_t spos, epos, esize, mpos, msize;
+  H5Tget_fields(t, &spos, &epos, &esize, &mpos, &msize);
+  return esize == 8 ? "bfloat16" : "float16";
+}
+
+}  // namespace
+
+std::unique_ptr<CaptureFile> CaptureFile::open(const std::string& path) {
+  struct stat st {};
+  DMI_CHECK(::stat(path.c_str(), &st) == 0, "{}: no such file", path);
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  DMI_CHECK(H5Fis_hdf5(path.c_str()) > 0, "{}: not an HDF5 file (a dmi capture is written by dmi-run --hooks ... -o FILE)",
+            path);
+  std::unique_ptr<CaptureFile> f(new CaptureFile());
+  f->path_ = path;
+  f->file_ = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  DMI_CHECK(f->file_ >= 0, "{}: cannot open: truncated or corrupt HDF5 file (or still being written)", path);
+  const hid_t file = f->file_;
+  DMI_CHECK(read_text_attr(file, "format") == "dmi-capture", "{}: not a dmi capture (no format=\"dmi-capture\" attribute)",
+            path);
+  auto version = read_int_attr(file, "format_version");
+  DMI_CHECK(version && *version == kCaptureFormatVersion,
+            "{}: capture format version {} is not supported (this dmi reads version {}); re-run dmi-run to "
+            "regenerate it",
+            path, version ? std::to_string(*version) : "missing", kCaptureFormatVersion);
+
+  if (H5Lexists(file, "sequences", H5P_DEFAULT) > 0) {
+    H5Handle g{H5Gopen2(file, "sequences", H5P_DEFAULT), H5Gclose};
+    f->tokens_ = read_all<std::int32_t>(g.id, "tokens", H5T_NATIVE_INT32, path);
+    f->offsets_ = read_all<std::int64_t>(g.id, "offsets", H5T_NATIVE_INT64, path);
+    f->prompt_lengths_ = read_all<std::int32_t>(g.id, "prompt_lengths", H5T_NATIVE_INT32, path);
+    f->prompt_text_ = read_strings(g.id, "prompt_text", path);
+    f->generated_text_ = read_strings(g.id, "generated_text", path);
+    f->finish_reason_ = read_strings(g.id, "finish_reason", path);
+    const std::size_t n = f->prompt_lengths_.size();
+    DMI_CHECK(f->offsets_.size() == n + 1 && f->prompt_text_.size() == n && f->generated_text_.size() == n &&
+                  f->finish_reason_.size() == n && f->offsets_.back() == static_cast<std::int64_t>(f->tokens_.size()),
+              "{}: /sequences datasets disagree in length: corrupt capture", path);
+  }
+  if (H5Lexists(file, "sites", H5P_DEFAULT) > 0) {
+    H5Handle sites{H5Gopen2(file, "sites", H5P_DEFAULT), H5Gclose};
+    hsize_t n = 0;
+    H5Gget_num_objs(sites.id, &n);
+    std::vector<std::string> names;
+    for (hsize_t i = 0; i < n; ++i) {
+      char buf[512];
+      H5Gget_objname_by_idx(sites.id, i, buf, sizeof buf);
+      names.emplace_back(buf);
+    }
+    for (const auto& name : names) {
+      H5Handle g{H5Gopen2(sites.id, name.c_str(), H5P_DEFAULT), H5Gclose};
+      SiteEntry e;
+      e.name = name;
+      e.layer = static_cast<int>(read_int_attr(g.id, "layer").value_or(-1));
+      e.layout = read_text_attr(g.id, "layout");
+      e.records_dropped = read_int_attr(g.id, "records_dropped").value_or(0);
+      e.index = read_int_attr(g.id, "index").value_or(0);
+      H5Handle d{H5Dopen2(g.id, "data", H5P_DEFAULT), H5Dclose};
+      DMI_CHECK(d.id >= 0, "{}: /sites/{} has no data", path, name);
+      auto dims = dims_of(d.id);
+      DMI_CHECK(!dims.empty(), "{}: /sites/{}/data has no rows dimension", path, name);
+      e.rows = static_cast<std::int64_t>(dims[0]);
+      e.row_shape.assign(dims.begin() + 1, dims.end());
+      H5Handle t{H5Dget_type(d.id), H5Tclose};
+      e.dtype = dtype_name(t.id);
+      std::uint64_t per_row = H5Tget_size(t.id);
+      for (auto x : e.row_shape) per_row *= static_cast<std::uint64_t>(x);
+      e.raw_bytes = per_row * e.rows + 8ull * e.rows;  // data + seq + pos
+      for (const char* ds : {"data", "seq", "pos", "ids"}) {
+        if (H5Lexists(g.id, ds, H5P_DEFAULT) <= 0) continue;
+        H5Handle x{H5Dopen2(g.id, ds, H5P_DEFAULT), H5Dclose};
+        e.stored_bytes += H5Dget_storage_size(x.id);
+        if (std::string(ds) == "ids") e.raw_bytes += 4ull * e.rows * e.row_shape.back();
+      }
+      f->site_index_[name] = f->sites_.size();
+      f->sites_.push_back(std::move(e));
+    }
+    // Forward order: the writer numbers sites in the order it created them.
+    std::stable_sort(f->sites_.begin(), f->sites_.end(),
+                     [](const SiteEntry& a, const SiteEntry& b) { return a.index < b.index; });
+    f->site_index_.clear();
+    for (std::size_t i = 0; i < f->sites_.size(); ++i) f->site_index_[f->sites_[i].name] = i;
+  }
+  return f;
+}
+
+CaptureFile::~CaptureFile() {
+  if (file_ >= 0) H5Fclose(file_);
+}
+
+std::string CaptureFile::text_attr(const std::string& name) const { return read_text_attr(file_, name); }
+std::optional<std::int64_t> CaptureFile::int_attr(const std::string& name) const {
+  return read_int_attr(file_, name);
+}
+
+std::vector<std::string> CaptureFile::attribute_names() const {
+  std::vector<std::string> out;
+  int n = H5Aget_num_attrs(file_);
+  for (int i = 0; i < n; ++i) {
+    H5Handle a{H5Aopen_idx(file_, static_cast<unsigned>(i)), H5Aclose};
+    char buf[256];
+    H5Aget_name(a.id, sizeof buf, buf);
+    out.emplace_back(buf);
+  }
+  return out;
+}
+
+bool CaptureFile::has_site(const std::string& name) const { return site_index_.count(name) != 0; }
+
+const SiteEntry& CaptureFile::site(const std::string& name) const {
+  auto it = site_index_.find(name);
+  if (it != site_index_.end()) return sites_[it->second];
+  std::vector<std::string> near;
+  for (const auto& s : sites_)
+    if (s.name.find(name) != std::string::npos || name.find(s.name) != std::string::npos) near.push_back(s.name);
+  if (near.size() > 5) near.resize(5);
+  DMI_FAIL("{}: no site '{}' in this capture{}{}", path_, name, near.empty() ? "" : "; similar: ",
+           fmt::join(near, ", "));
+}
+
+std::vector<std::int32_t> CaptureFile::tokens(std::size_t seq) const {
+  DMI_CHECK(seq < n_sequences(), "{}: sequence {} does not exist (the file has {})", path_, seq, n_sequences());
+  return std::vector<std::int32_t>(tokens_.begin() + offsets_[seq], tokens_.begin() + offsets_[seq + 1]);
+}
+
+const std::vector<std::int32_t>& CaptureFile::seq_of(const std::string& name) const {
+  auto it = index_cache_.find(name);
+  if (it == index_cache_.end()) {
+    site(name);  // validates the name
+    H5Handle g{H5Gopen2(file_, ("sites/" + name).c_str(), H5P_DEFAULT), H5Gclose};
+    auto seq = read_all<std::int32_t>(g.id, "seq", H5T_NATIVE_INT32, path_);
+    auto pos = read_all<std::int32_t>(g.id, "pos", H5T_NATIVE_INT32, path_);
+    it = index_cache_.emplace(name, std::make_pair(std::move(seq), std::move(pos))).first;
+  }
+  return it->second.first;
+}
+
+const std::vector<std::int32_t>& CaptureFile::pos_of(const std::string& name) const {
+  seq_of(name);
+  return index_cache_.at(name).second;
+}
+
+std::vector<std::int64_t> CaptureFile::find_rows(const std::string& name, std::optional<std::int32_t> seq,
+                                                 std::int32_t lo, std::int32_t hi) const {
+  const auto& s = seq_of(name);
+  const auto& p = pos_of(name);
+  std::vector<std::int64_t> rows;
+  for (std::size_t i = 0; i < s.size(); ++i)
+    if ((!seq || s[i] == *seq) && p[i] >= lo && p[i] < hi) rows.push_back(static_cast<std::int64_t>(i));
+  std::stable_sort(rows.begin(), rows.end(), [&](std::int64_t a, std::int64_t b) {
+    return s[a] != s[b] ? s[a] < s[b] : p[a] < p[b];
+  });
+  return rows;
+}
+
+at::Tensor CaptureFile::read_selected(const std::string& name, const std::string& dataset,
+                                      const std::vector<std::int64_t>& rows, bool ints) const {
+  const SiteEntry& e = site(name);
+  H5Handle d{H5Dopen2(file_, ("sites/" + name + "/" + dataset).c_str(), H5P_DEFAULT), H5Dclose};
+  DMI_CHECK(d.id >= 0, "{}: /sites/{} has no '{}'", path_, name, dataset);
+  auto dims = dims_of(d.id);
+  std::vector<std::int64_t> shape{static_cast<std::int64_t>(rows.size())};
+  std::int64_t per_row = 1;
+  for (std::size_t i = 1; i < dims.size(); ++i) {
+    shape.push_back(static_cast<std::int64_t>(dims[i]));
+    per_row *= static_cast<std::int64_t>(dims[i]);
+  }
+  at::Tensor out = at::empty(shape, ints ? at::kInt : at::kFloat);
+  if (rows.empty()) return out;
+  H5Handle fspace{H5Dget_space(d.id), H5Sclose};
+  const hid_t mem_type = ints ? H5T_NATIVE_INT32 : H5T_NATIVE_FLOAT;
+  auto* base = static_cast<std::uint8_t*>(out.data_ptr());
+  const std::size_t elem = 4;
+  // One read per run of consecutive rows: only the chunks holding them are
+  // touched (the chunk cache serves neighbours).
+  std::size_t i = 0;
+  while (i < rows.size()) {
+    std::size_t j = i + 1;
+    while (j < rows.size() && rows[j] == rows[j - 1] + 1) ++j;
+    DMI_CHECK(rows[i] >= 0 && rows[j - 1] < e.rows, "{}: row {} of {} is out of range", path_, rows[j - 1], name);
+    std::vector<hsize_t> start(dims.size(), 0), count(dims.begin(), dims.end());
+    start[0] = static_cast<hsize_t>(rows[i]);
+    count[0] = j - i;
+    H5Sselect_hyperslab(fspace.id, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr);
+    H5Handle mspace{H5Screate_simple(static_cast<int>(count.size()), count.data(), nullptr), H5Sclose};
+    DMI_CHECK(H5Dread(d.id, mem_type, mspace.id, fspace.id, H5P_DEFAULT, base + i * per_row * elem) >= 0,
+              "{}: cannot read rows of {} (file truncated or corrupt?)", path_, name);
+    i = j;
+  }
+  return out;
+}
+
+at::Tensor CaptureFile::read_rows(const std::string& name, const std::vector<std::int64_t>& rows) const {
+  return read_selected(name, "data", rows, false);
+}
+
+at::Tensor CaptureFile::read_block(const std::string& name, std::int64_t begin, std::int64_t n) const {
+  std::vector<std::int64_t> rows(static_cast<std::size_t>(n));
+  std::iota(rows.begin(), rows.end(), begin);
+  return read_selected(name, "data", rows, false);
+}
+
+at::Tensor CaptureFile::read_ids(const std::string& name, const std::vector<std::int64_t>& rows) const {
+  DMI_CHECK(site(name).layout == "topk", "{}: site {} stores full logits, not top-k ids", path_, name);
+  return read_selected(name, "ids", rows, true);
+}
+
+}  // namespace dmi::sink

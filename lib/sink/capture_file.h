@@ -1,0 +1,87 @@
+// Reading dmi-capture files (docs/capture-format.md): the library behind
+// dmi-inspect, dmi-diff and the tests. Reading is lazy: opening reads the
+// attributes and the small per-row index (seq, pos); data rows are read
+// only when asked for, with HDF5 selections that touch only the chunks
+// holding them.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dmi::sink {
+
+struct SiteEntry {
+  std::string name;
+  int layer = -1;
+  std::string layout;                  // dense | attention | topk
+  std::vector<std::int64_t> row_shape; // per-row shape of data
+  std::string dtype;                   // float32 | float16 | bfloat16
+  std::int64_t rows = 0;
+  std::uint64_t stored_bytes = 0, raw_bytes = 0;
+  std::int64_t records_dropped = 0;
+  std::int64_t index = 0;  // position in forward order
+};
+
+class CaptureFile {
+ public:
+  // Throws dmi::Error for a missing/unreadable file, a file that is not a
+  // dmi capture, or another format version (naming what to do).
+  static std::unique_ptr<CaptureFile> open(const std::string& path);
+  ~CaptureFile();
+
+  const std::string& path() const { return path_; }
+  std::string status() const { return text_attr("status"); }
+  std::string text_attr(const std::string& name) const;  // "" when absent
+  std::optional<std::int64_t> int_attr(const std::string& name) const;
+  std::vector<std::string> attribute_names() const;
+
+  const std::vector<SiteEntry>& sites() const { return sites_; }
+  const SiteEntry& site(const std::string& name) const;  // throws naming near matches
+  bool has_site(const std::string& name) const;
+
+  // Sequences.
+  std::size_t n_sequences() const { return offsets_.empty() ? 0 : offsets_.size() - 1; }
+  std::vector<std::int32_t> tokens(std::size_t seq) const;
+  std::int32_t prompt_length(std::size_t seq) const { return prompt_lengths_.at(seq); }
+  const std::string& prompt_text(std::size_t seq) const { return prompt_text_.at(seq); }
+  const std::string& generated_text(std::size_t seq) const { return generated_text_.at(seq); }
+  const std::string& finish_reason(std::size_t seq) const { return finish_reason_.at(seq); }
+  bool has_sequences() const { return !offsets_.empty(); }
+
+  // The per-row index of a site.
+  const std::vector<std::int32_t>& seq_of(const std::string& site) const;
+  const std::vector<std::int32_t>& pos_of(const std::string& site) const;
+  // Rows of `site` for sequence `seq` (all if nullopt) with pos in [pos_lo,
+  // pos_hi), ordered by (seq, pos).
+  std::vector<std::int64_t> find_rows(const std::string& site, std::optional<std::int32_t> seq,
+                                      std::int32_t pos_lo = 0,
+                                      std::int32_t pos_hi = std::numeric_limits<std::int32_t>::max()) const;
+  // data rows as float32 [n, ...row_shape]; reads only those rows.
+  at::Tensor read_rows(const std::string& site, const std::vector<std::int64_t>& rows) const;
+  // A contiguous block of rows [begin, begin + n).
+  at::Tensor read_block(const std::string& site, std::int64_t begin, std::int64_t n) const;
+  // topk sites: the ids [n, K] of those rows.
+  at::Tensor read_ids(const std::string& site, const std::vector<std::int64_t>& rows) const;
+
+ private:
+  CaptureFile() = default;
+  at::Tensor read_selected(const std::string& site, const std::string& dataset,
+                           const std::vector<std::int64_t>& rows, bool ints) const;
+  std::string path_;
+  std::int64_t file_ = -1;  // hid_t
+  std::vector<SiteEntry> sites_;
+  std::map<std::string, std::size_t> site_index_;
+  mutable std::map<std::string, std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>>> index_cache_;
+  std::vector<std::int32_t> tokens_, prompt_lengths_;
+  std::vector<std::int64_t> offsets_;
+  std::vector<std::string> prompt_text_, generated_text_, finish_reason_;
+};
+
+}  // namespace dmi::sink

@@ -22,7 +22,7 @@ pkgs=(
 )
 if [ $with_tests = 1 ]; then
   # test references run with Debian's /usr/bin/python3
-  pkgs+=(python3-torch python3-numpy python3-h5py python3-jsonschema)
+  pkgs+=(python3-torch python3-numpy python3-h5py python3-jsonschema python3-matplotlib)
 fi
 # Node.js with npm: any install will do (this image ships NodeSource's, whose
 # nodejs conflicts with Debian's npm package), so only add Debian's if absent.

@@ -259,6 +259,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   cap->add_option("--sink", a.capture.sink, "hdf5, or null (transport only, data discarded)")->capture_default_str();
   cap->add_option("--compression", a.capture.compression, "none, gzip:N or shuffle+gzip:N")->capture_default_str();
+  cap->add_option("--transport", a.capture.transport,
+                  "ring (async Ring², the default), or for comparison: sync (hooks write inline), materialize "
+                  "(keep everything, write at the end)")
+      ->capture_default_str();
   app.add_flag("-q,--quiet", a.quiet, "no progress or timing lines on stderr");
   for (int i = 0; i < argc; ++i) a.command_line += (i ? " " : "") + shell_quote(argv[i]);
   try {

@@ -36,6 +36,8 @@ void validate_capture_config(const CaptureConfig& c) {
   DMI_CHECK(c.ring_mb > 0, "--ring-mb must be positive");
   DMI_CHECK(c.on_full == "block" || c.on_full == "drop", "--on-full '{}' is not block or drop", c.on_full);
   DMI_CHECK(c.sink == "hdf5" || c.sink == "null", "--sink '{}' is not hdf5 or null", c.sink);
+  DMI_CHECK(c.transport == "ring" || c.transport == "sync" || c.transport == "materialize",
+            "--transport '{}' is not ring, sync or materialize", c.transport);
   DMI_CHECK(c.sink != "hdf5" || !c.output.empty(), "--hooks with --sink hdf5 needs --output FILE.h5");
 }
 
@@ -53,10 +55,18 @@ CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, at::S
   point_ = std::make_unique<hooks::CapturePoint>(std::move(o), cfg, model_dtype);
   sink_ = c.sink == "null" ? sink::make_null_sink() : sink::make_hdf5_sink(c.output, info, c.compression);
   sink_->open(point_->streams());
-  ring_ = std::make_unique<ring::CpuRing>(static_cast<std::size_t>(c.ring_mb * (1 << 20)), c.ring_records,
-                                          c.on_full == "drop" ? ring::OnFull::drop : ring::OnFull::block,
-                                          point_->streams().size(), *sink_);
-  point_->attach(ring_.get());
+  const std::size_t n = point_->streams().size();
+  if (c.transport == "sync") {
+    sync_ = std::make_unique<ring::SyncProducer>(n, *sink_);
+    point_->attach(sync_.get());
+  } else if (c.transport == "materialize") {
+    materialize_ = std::make_unique<ring::MaterializeProducer>(n, *sink_);
+    point_->attach(materialize_.get());
+  } else {
+    ring_ = std::make_unique<ring::CpuRing>(static_cast<std::size_t>(c.ring_mb * (1 << 20)), c.ring_records,
+                                            c.on_full == "drop" ? ring::OnFull::drop : ring::OnFull::block, n, *sink_);
+    point_->attach(ring_.get());
+  }
 }
 
 CaptureRun::~CaptureRun() {
@@ -74,14 +84,17 @@ CaptureResult CaptureRun::finish(const std::string& status, const std::vector<si
   sink::Finish f;
   f.sequences = sequences;
   std::exception_ptr error;
+  ring::RingStats stats;
   try {
-    ring_->drain();
+    if (ring_) ring_->drain();
+    if (materialize_) materialize_->flush();
     f.status = status;
   } catch (...) {
     error = std::current_exception();
     f.status = "failed";
   }
-  CaptureResult r{ring_->stats(), f.status};
+  stats = ring_ ? ring_->stats() : sync_ ? sync_->stats() : materialize_->stats();
+  CaptureResult r{stats, f.status};
   f.records_written = r.stats.records_written;
   f.records_dropped = r.stats.records_dropped;
   f.dropped_per_stream = r.stats.dropped_per_stream;

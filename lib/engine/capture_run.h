@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "hooks/capture.h"
+#include "ring/baselines.h"
 #include "ring/ring.h"
 #include "sink/sink.h"
 
@@ -24,6 +25,9 @@ struct CaptureConfig {
   std::string on_full = "block";    // block | drop
   std::string sink = "hdf5";        // hdf5 | null
   std::string compression = "none";
+  // ring (Ring², the real path), or the baselines dmi-bench compares with:
+  // sync (each hook writes inline) and materialize (keep all, write at end).
+  std::string transport = "ring";
 };
 
 // Checks flag values that need no model; throws dmi::Error naming the flag.
@@ -51,6 +55,8 @@ class CaptureRun {
   std::unique_ptr<hooks::CapturePoint> point_;
   std::unique_ptr<sink::Sink> sink_;
   std::unique_ptr<ring::CpuRing> ring_;
+  std::unique_ptr<ring::SyncProducer> sync_;
+  std::unique_ptr<ring::MaterializeProducer> materialize_;
   bool finished_ = false;
 };
 

@@ -19,7 +19,7 @@ std::size_t round_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign;
 
 CpuRing::CpuRing(std::size_t arena_bytes, std::size_t max_records, OnFull on_full, std::size_t n_streams,
                  sink::Sink& sink)
-    : arena_(round_up(arena_bytes)), records_(max_records), on_full_(on_full), sink_(sink) {
+    : arena_(new std::uint8_t[round_up(arena_bytes)]), arena_size_(round_up(arena_bytes)), records_(max_records), on_full_(on_full), sink_(sink) {
   DMI_CHECK(arena_bytes >= kAlign && max_records > 0, "ring needs a non-empty arena and record ring");
   stats_.dropped_per_stream.assign(n_streams, 0);
   writer_ = std::thread([this] { writer_loop(); });
@@ -39,7 +39,7 @@ bool CpuRing::push(const RecordMeta& meta, const std::vector<std::int64_t>& row_
   const std::size_t data_bytes = static_cast<std::size_t>(per_row) * meta.rows * c10::elementSize(dtype);
   const std::size_t header = round_up(2 * sizeof(std::int32_t) * meta.rows);
   const std::size_t need = round_up(header + data_bytes);
-  const std::size_t cap = arena_.size();
+  const std::size_t cap = arena_size_;
 
   std::uint64_t offset = 0;
   {
@@ -78,7 +78,7 @@ bool CpuRing::push(const RecordMeta& meta, const std::vector<std::int64_t>& row_
     stats_.high_water_bytes = std::max<std::uint64_t>(stats_.high_water_bytes, head_ - tail_);
   }
   // Fill outside the lock: the writer only reads published spans.
-  std::uint8_t* span = arena_.data() + offset % cap;
+  std::uint8_t* span = arena_.get() + offset % cap;
   std::memcpy(span, meta.seq, sizeof(std::int32_t) * meta.rows);
   std::memcpy(span + sizeof(std::int32_t) * meta.rows, meta.pos, sizeof(std::int32_t) * meta.rows);
   std::vector<std::int64_t> shape{static_cast<std::int64_t>(meta.rows)};
@@ -99,11 +99,11 @@ bool CpuRing::push(const RecordMeta& meta, const std::vector<std::int64_t>& row_
 bool CpuRing::writer_needed() const {
   const std::uint64_t pending = rec_head_ - rec_tail_;
   return stopping_ ||
-         (pending > 0 && (producer_waiting_ || pending >= kWakeRecords || (head_ - tail_) * 4 >= arena_.size()));
+         (pending > 0 && (producer_waiting_ || pending >= kWakeRecords || (head_ - tail_) * 4 >= arena_size_));
 }
 
 void CpuRing::writer_loop() {
-  const std::size_t cap = arena_.size();
+  const std::size_t cap = arena_size_;
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     writer_waiting_ = true;
@@ -118,7 +118,7 @@ void CpuRing::writer_loop() {
       const Record r = records_[rec_tail_ % records_.size()];
       lock.unlock();
       try {
-        const std::uint8_t* span = arena_.data() + r.offset % cap;
+        const std::uint8_t* span = arena_.get() + r.offset % cap;
         const auto* seq = reinterpret_cast<const std::int32_t*>(span);
         const auto* pos = seq + r.rows;
         const std::size_t header = round_up(2 * sizeof(std::int32_t) * r.rows);

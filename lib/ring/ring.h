@@ -92,7 +92,10 @@ class CpuRing final : public Producer {
   void writer_loop();
   // Whether the writer should run now rather than at its next timeout.
   bool writer_needed() const;
-  std::vector<std::uint8_t> arena_;
+  // Not zero-filled: pages are touched (and count in RSS) only as the ring
+  // reaches them.
+  std::unique_ptr<std::uint8_t[]> arena_;
+  std::size_t arena_size_;
   std::vector<Record> records_;
   const OnFull on_full_;
   sink::Sink& sink_;

@@ -1,0 +1,223 @@
+// dmi-bench: what capturing costs, against honest baselines. A thin front
+// end over engine::run_bench.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+#include "engine/bench.h"
+#include "engine/runtime.h"
+#include "model/causal_lm.h"
+
+using nlohmann::json;
+
+namespace {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::vector<std::int64_t> parse_ints(const std::string& s, const char* flag) {
+  std::vector<std::int64_t> out;
+  std::size_t i = 0;
+  while (i <= s.size()) {
+    auto j = s.find(',', i);
+    if (j == std::string::npos) j = s.size();
+    try {
+      std::size_t used = 0;
+      long long v = std::stoll(s.substr(i, j - i), &used);
+      DMI_CHECK(used == j - i && v > 0, "{} '{}': '{}' is not a positive integer", flag, s, s.substr(i, j - i));
+      out.push_back(v);
+    } catch (const std::logic_error&) {
+      DMI_FAIL("{} '{}': '{}' is not a positive integer", flag, s, s.substr(i, j - i));
+    }
+    i = j + 1;
+  }
+  return out;
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::size_t i = 0;
+  while (i <= s.size()) {
+    auto j = s.find(',', i);
+    if (j == std::string::npos) j = s.size();
+    if (j > i) out.push_back(s.substr(i, j - i));
+    i = j + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"dmi-bench: capture overhead sweeps against baselines (off, null, async, sync, materialize)."};
+  app.footer(
+      "Modes: off (no site selected), null (HookPoints + Ring², data discarded), async (Ring² + writer\n"
+      "thread + HDF5, the real path), sync (each hook writes HDF5 inline), materialize (everything kept\n"
+      "in memory, written after generation). Modes are interleaved within each repeat; overhead is\n"
+      "time / time of 'off' in the same repeat; the table shows medians and the overhead's min-max.\n"
+      "\nExamples:\n"
+      "  dmi-bench                                             # the default model, bf16, batch 1 and 8\n"
+      "  dmi-bench --model build/bench-models/qwen3-0.6b-shape --batch-sizes 1,8 --hooks residual --json r.json\n"
+      "  dmi-bench --hooks residual --hooks full --modes off,null,async --repeats 5\n"
+      "  /usr/bin/python3 scripts/plot_bench.py r.json r.png   # overhead vs batch size per mode\n"
+      "\nExit status: 0 ok, 2 bad input.");
+  std::string model_dir, dtype = "bfloat16", batches = "1,8", modes = "off,null,async,sync,materialize", json_out,
+                         tmp_dir = "/tmp";
+  std::vector<std::string> hooks;
+  dmi::engine::BenchConfig cfg;
+  int threads = 0;
+  bool quiet = false;
+  app.add_option("-m,--model", model_dir, "HF model directory (default: the embedded model)");
+  app.add_option("--dtype", dtype, "compute dtype")->capture_default_str()->check(CLI::IsMember({"float32", "bfloat16"}));
+  app.add_option("--batch-sizes", batches, "comma-separated batch sizes")->capture_default_str();
+  app.add_option("--prompt-len", cfg.prompt_len, "prompt tokens per sequence (random ids)")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--new-tokens", cfg.new_tokens, "tokens generated per sequence")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--hooks", hooks, "a --hooks selection (repeatable; default: residual)");
+  app.add_option("--modes", modes, "comma-separated modes")->capture_default_str();
+  app.add_option("--repeats", cfg.repeats, "measured repeats")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--warmup", cfg.warmup, "warm-up repeats (not reported)")->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--seed", cfg.seed, "seed of the random prompts")->capture_default_str();
+  app.add_option("-t,--threads", threads, "CPU threads (0 = all cores)")->capture_default_str();
+  app.add_option("--json", json_out, "write every run and the summary as JSON to this file");
+  app.add_option("--tmp-dir", tmp_dir, "where HDF5 files of the async/sync/materialize runs go (deleted after)")
+      ->capture_default_str();
+  app.add_flag("-q,--quiet", quiet, "no progress on stderr");
+  try {
+    app.parse(argc, argv);
+    dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(dtype));
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::fprintf(stderr, "dmi-bench: error: %s (see --help)\n", e.what());
+    return 2;
+  }
+  try {
+    threads = dmi::engine::configure_threads(threads);
+    cfg.batch_sizes = parse_ints(batches, "--batch-sizes");
+    cfg.modes = split(modes);
+    cfg.hooks = hooks.empty() ? std::vector<std::string>{"residual"} : hooks;
+    cfg.tmp_dir = tmp_dir;
+    if (model_dir.empty())
+      model_dir = std::getenv("DMI_DEFAULT_MODEL") ? std::getenv("DMI_DEFAULT_MODEL")
+                                                   : std::string(DMI_SOURCE_DIR) + "/data/default-model";
+    auto model = dmi::model::load_model(model_dir, dtype == "bfloat16" ? at::kBFloat16 : at::kFloat);
+    const double bw = dmi::engine::measure_read_bandwidth_gbs();
+    const double floor_ms = model->weight_bytes() / (bw * 1e9) * 1000.0;
+    if (!quiet)
+      std::fprintf(stderr, "dmi-bench: %s (%s, %s), %d threads; weights %.1f MB, read bandwidth %.1f GB/s -> decode floor %.1f ms/step\n",
+                   model_dir.c_str(), model->config().architecture.c_str(), dtype.c_str(), threads,
+                   model->weight_bytes() / 1e6, bw, floor_ms);
+    auto runs = dmi::engine::run_bench(*model, cfg, [&](std::size_t done, std::size_t total, const auto& r) {
+      if (!quiet)
+        std::fprintf(stderr, "dmi-bench: [%zu/%zu] batch %lld %s %s repeat %d: %.3f s\n", done, total,
+                     static_cast<long long>(r.batch), r.hooks.c_str(), r.mode.c_str(), r.repeat, r.seconds);
+    });
+    // Summary per configuration: medians, overhead spread.
+    struct Key {
+      std::int64_t batch;
+      std::string hooks, mode;
+      bool operator<(const Key& o) const {
+        return std::tie(batch, hooks, mode) < std::tie(o.batch, o.hooks, o.mode);
+      }
+    };
+    std::map<Key, std::vector<const dmi::engine::BenchRun*>> groups;
+    std::vector<Key> order;
+    for (const auto& r : runs) {
+      Key k{r.batch, r.hooks, r.mode};
+      if (!groups.count(k)) order.push_back(k);
+      groups[k].push_back(&r);
+    }
+    json summary = json::array();
+    fmt::print("model {} ({}, {}), {} threads, prompt {} + {} new tokens, {} repeats (+{} warm-up)\n", model_dir,
+               model->config().architecture, dtype, threads, cfg.prompt_len, cfg.new_tokens, cfg.repeats, cfg.warmup);
+    fmt::print("weights {:.1f} MB at {:.1f} GB/s read bandwidth: decode floor {:.1f} ms/step\n\n",
+               model->weight_bytes() / 1e6, bw, floor_ms);
+    fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>9} {:>9} {:>15} {:>9} {:>9} {:>8} {:>8} {:>7}\n", "batch",
+               "hooks", "mode", "prefill", "decode", "TPOT", "e2e", "overhead", "(min-max)", "MB", "MB/s", "RSS MB",
+               "ring MB", "wait s");
+    fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>9}\n", "", "", "", "tok/s", "tok/s", "ms", "tok/s");
+    for (const auto& k : order) {
+      const auto& g = groups[k];
+      auto med = [&](auto f) {
+        std::vector<double> v;
+        for (auto* r : g) v.push_back(f(*r));
+        return median(v);
+      };
+      std::vector<double> ov;
+      for (auto* r : g) ov.push_back(r->overhead);
+      const double mb = med([](const auto& r) { return r.bytes / 1e6; });
+      const double secs = med([](const auto& r) { return r.seconds; });
+      json s = {{"batch", k.batch},
+                {"hooks", k.hooks},
+                {"mode", k.mode},
+                {"prefill_tokens_per_second", med([](const auto& r) { return r.prefill_tps; })},
+                {"decode_tokens_per_second", med([](const auto& r) { return r.decode_tps; })},
+                {"time_per_output_token_ms", med([](const auto& r) { return r.tpot_ms; })},
+                {"end_to_end_tokens_per_second", med([](const auto& r) { return r.e2e_tps; })},
+                {"seconds", secs},
+                {"overhead", median(ov)},
+                {"overhead_min", *std::min_element(ov.begin(), ov.end())},
+                {"overhead_max", *std::max_element(ov.begin(), ov.end())},
+                {"bytes_captured", med([](const auto& r) { return static_cast<double>(r.bytes); })},
+                {"bytes_per_second", mb * 1e6 / secs},
+                {"peak_rss_mb", med([](const auto& r) { return r.peak_rss_mb; })},
+                {"ring_high_water_bytes", med([](const auto& r) { return static_cast<double>(r.ring_high_water); })},
+                {"producer_wait_seconds", med([](const auto& r) { return r.producer_wait; })},
+                {"capture_finish_seconds", med([](const auto& r) { return r.capture_finish_seconds; })}};
+      summary.push_back(s);
+      fmt::print("{:>5} {:<12} {:<12} {:>9.1f} {:>9.1f} {:>8.1f} {:>9.1f} {:>8.3f}x {:>15} {:>9.1f} {:>9.1f} {:>8.0f} {:>8.1f} {:>7.3f}\n",
+                 k.batch, k.hooks.size() > 12 ? k.hooks.substr(0, 11) + "~" : k.hooks, k.mode,
+                 s["prefill_tokens_per_second"].get<double>(), s["decode_tokens_per_second"].get<double>(),
+                 s["time_per_output_token_ms"].get<double>(), s["end_to_end_tokens_per_second"].get<double>(),
+                 s["overhead"].get<double>(),
+                 fmt::format("({:.3f}-{:.3f})", s["overhead_min"].get<double>(), s["overhead_max"].get<double>()), mb,
+                 s["bytes_per_second"].get<double>() / 1e6, s["peak_rss_mb"].get<double>(),
+                 s["ring_high_water_bytes"].get<double>() / 1e6, s["producer_wait_seconds"].get<double>());
+    }
+    if (!json_out.empty()) {
+      json j = {{"model", model_dir}, {"architecture", model->config().architecture}, {"dtype", dtype},
+                {"threads", threads}, {"prompt_len", cfg.prompt_len}, {"new_tokens", cfg.new_tokens},
+                {"repeats", cfg.repeats}, {"warmup", cfg.warmup}, {"batch_sizes", cfg.batch_sizes},
+                {"hooks", cfg.hooks}, {"modes", cfg.modes}, {"weight_bytes", model->weight_bytes()},
+                {"read_bandwidth_gbs", bw}, {"decode_floor_ms", floor_ms}, {"summary", summary},
+                {"runs", json::array()}};
+      for (const auto& r : runs)
+        j["runs"].push_back({{"batch", r.batch}, {"hooks", r.hooks}, {"mode", r.mode}, {"repeat", r.repeat},
+                             {"seconds", r.seconds}, {"prefill_tokens_per_second", r.prefill_tps},
+                             {"decode_tokens_per_second", r.decode_tps}, {"time_per_output_token_ms", r.tpot_ms},
+                             {"end_to_end_tokens_per_second", r.e2e_tps}, {"overhead", r.overhead},
+                             {"bytes_captured", r.bytes}, {"records", r.records}, {"peak_rss_mb", r.peak_rss_mb},
+                             {"ring_high_water_bytes", r.ring_high_water}, {"producer_wait_seconds", r.producer_wait},
+                             {"capture_finish_seconds", r.capture_finish_seconds}});
+      std::ofstream f(json_out);
+      DMI_CHECK(f, "{}: cannot write", json_out);
+      f << j.dump(2) << "\n";
+      DMI_CHECK(f.good(), "{}: write failed", json_out);
+    }
+    return 0;
+  } catch (const dmi::Error& e) {
+    std::fprintf(stderr, "dmi-bench: error: %s\n", e.what());
+    return 2;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "dmi-bench: internal error: %s\n", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dmi-bench: internal error: %s\n", e.what());
+    return 1;
+  }
+}

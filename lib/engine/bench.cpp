@@ -1,0 +1,138 @@
+#include "engine/bench.h"
+
+#include <ATen/ATen.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <random>
+
+#include "common/error.h"
+#include "engine/capture_run.h"
+#include "engine/generator.h"
+
+namespace dmi::engine {
+
+namespace {
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Peak RSS since the last reset (Linux: VmHWM; writing 5 to clear_refs resets it).
+void reset_peak_rss() {
+  std::ofstream f("/proc/self/clear_refs");
+  if (f) f << "5";
+}
+double peak_rss_mb() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  return 0;
+}
+
+}  // namespace
+
+const std::vector<std::string>& bench_modes() {
+  static const std::vector<std::string> m = {"off", "null", "async", "sync", "materialize"};
+  return m;
+}
+
+double measure_read_bandwidth_gbs() {
+  at::Tensor buf = at::ones({256ll << 20}, at::kFloat);  // 1 GiB
+  double best = 0;
+  for (int i = 0; i < 4; ++i) {
+    double t0 = now();
+    volatile double s = buf.sum().item<double>();
+    (void)s;
+    best = std::max(best, buf.numel() * 4.0 / (now() - t0) / 1e9);
+  }
+  return best;
+}
+
+std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
+                                const std::function<void(std::size_t, std::size_t, const BenchRun&)>& progress) {
+  for (const auto& m : cfg.modes)
+    DMI_CHECK(std::find(bench_modes().begin(), bench_modes().end(), m) != bench_modes().end(),
+              "--modes: '{}' is not one of off, null, async, sync, materialize", m);
+  DMI_CHECK(cfg.prompt_len >= 1 && cfg.new_tokens >= 1, "--prompt-len and --new-tokens must be at least 1");
+  const auto& mc = model.config();
+  DMI_CHECK(cfg.prompt_len + cfg.new_tokens <= mc.max_position_embeddings,
+            "--prompt-len + --new-tokens = {} exceeds the model's context {}", cfg.prompt_len + cfg.new_tokens,
+            mc.max_position_embeddings);
+  std::vector<BenchRun> out;
+  const std::size_t total = cfg.batch_sizes.size() * cfg.hooks.size() * cfg.modes.size() * cfg.repeats;
+  std::size_t done = 0;
+  const std::string file = fmt::format("{}/dmi-bench-{}.h5", cfg.tmp_dir, ::getpid());
+  for (auto B : cfg.batch_sizes) {
+    // The same random prompts for every mode of this batch size.
+    std::mt19937_64 rng(cfg.seed + B);
+    std::uniform_int_distribution<std::int32_t> tok(0, static_cast<std::int32_t>(mc.vocab_size - 1));
+    std::vector<std::vector<std::int32_t>> prompts(B, std::vector<std::int32_t>(cfg.prompt_len));
+    for (auto& p : prompts)
+      for (auto& t : p) t = tok(rng);
+    for (const auto& hooks : cfg.hooks) {
+      std::map<int, double> off_seconds;
+      for (int rep = -cfg.warmup; rep < cfg.repeats; ++rep) {
+        for (const auto& mode : cfg.modes) {
+          GenerateOptions o;
+          o.max_new_tokens = cfg.new_tokens;
+          o.batch_size = B;
+          std::unique_ptr<CaptureRun> cap;
+          if (mode != "off") {
+            CaptureConfig c;
+            c.hooks = hooks;
+            c.output = file;
+            c.sink = mode == "null" ? "null" : "hdf5";
+            c.transport = mode == "sync" ? "sync" : mode == "materialize" ? "materialize" : "ring";
+            sink::RunInfo info;
+            info.text = {{"tool", "dmi-bench"}};
+            cap = std::make_unique<CaptureRun>(c, mc, model.dtype(), cfg.prompt_len + cfg.new_tokens, info);
+            o.observer = cap->observer();
+          }
+          reset_peak_rss();
+          Generator gen(model, o);
+          const double t0 = now();
+          gen.generate(prompts);
+          const double t1 = now();
+          CaptureResult cr;
+          if (cap) cr = cap->finish("complete", {});
+          const double t2 = now();
+          cap.reset();
+          std::remove(file.c_str());
+          if (rep < 0) continue;  // warm-up
+          const auto& t = gen.timings();
+          BenchRun r;
+          r.batch = B;
+          r.hooks = hooks;  // for "off": the configuration it is the baseline of
+          r.mode = mode;
+          r.repeat = rep;
+          r.seconds = t2 - t0;
+          r.capture_finish_seconds = t2 - t1;
+          r.prefill_tps = t.prefill_tokens / t.prefill_seconds;
+          r.decode_tps = t.decode_tokens / t.decode_seconds;
+          r.tpot_ms = 1000.0 * t.decode_seconds / std::max<std::int64_t>(1, cfg.new_tokens);
+          r.e2e_tps = (t.prefill_tokens + t.decode_tokens) / r.seconds;
+          r.bytes = cr.stats.bytes_written;
+          r.records = cr.stats.records_written;
+          r.ring_high_water = cr.stats.high_water_bytes;
+          r.producer_wait = cr.stats.producer_wait_seconds;
+          r.peak_rss_mb = peak_rss_mb();
+          if (mode == "off") off_seconds[rep] = r.seconds;
+          out.push_back(r);
+          if (progress) progress(++done, total, r);
+        }
+      }
+      // Overhead against "off" of the same repeat (when off was measured).
+      for (auto& r : out)
+        if (r.batch == B && r.hooks == hooks && off_seconds.count(r.repeat))
+          r.overhead = r.seconds / off_seconds[r.repeat];
+    }
+  }
+  return out;
+}
+
+}  // namespace dmi::engine

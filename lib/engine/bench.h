@@ -1,0 +1,49 @@
+// dmi-bench's sweep: capture modes against honest baselines, interleaved and
+// repeated so that noise on a shared machine hits every mode alike.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "model/causal_lm.h"
+
+namespace dmi::engine {
+
+// off: no site selected; null: HookPoints + Ring², sink discards; async:
+// Ring² + writer thread + HDF5; sync: hooks write HDF5 inline; materialize:
+// everything kept in memory, written after generation.
+const std::vector<std::string>& bench_modes();
+
+struct BenchConfig {
+  std::vector<std::int64_t> batch_sizes{1, 8};
+  std::int64_t prompt_len = 64;
+  std::int64_t new_tokens = 32;
+  std::vector<std::string> hooks{"residual"};
+  std::vector<std::string> modes = bench_modes();
+  int repeats = 3;
+  int warmup = 1;
+  std::uint64_t seed = 0;
+  std::string tmp_dir = "/tmp";
+};
+
+struct BenchRun {
+  std::int64_t batch = 0;
+  std::string hooks, mode;
+  int repeat = 0;
+  double prefill_tps = 0, decode_tps = 0, tpot_ms = 0, e2e_tps = 0, seconds = 0, capture_finish_seconds = 0;
+  std::uint64_t bytes = 0, records = 0, ring_high_water = 0;
+  double producer_wait = 0;
+  double peak_rss_mb = 0;
+  double overhead = 0;  // seconds / seconds of "off" in the same repeat and configuration
+};
+
+// Runs the sweep; progress(done, total, run) after each measured run.
+std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
+                                const std::function<void(std::size_t, std::size_t, const BenchRun&)>& progress);
+
+// Best of a few passes summing a large buffer, in GB/s.
+double measure_read_bandwidth_gbs();
+
+}  // namespace dmi::engine

@@ -1,0 +1,47 @@
+#!/usr/bin/python3
+"""Plots dmi-bench's JSON: capture overhead vs batch size, one line per mode
+(and hooks selection), with the min-max spread as error bars.
+
+  /usr/bin/python3 scripts/plot_bench.py RESULTS.json OUT.png
+Uses Debian's python3-matplotlib.
+"""
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main():
+    src, out = sys.argv[1], sys.argv[2]
+    j = json.load(open(src))
+    series = {}
+    for s in j["summary"]:
+        if s["mode"] == "off":
+            continue
+        series.setdefault((s["hooks"], s["mode"]), []).append(s)
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for (hooks, mode), pts in sorted(series.items()):
+        pts.sort(key=lambda s: s["batch"])
+        x = [p["batch"] for p in pts]
+        y = [100 * (p["overhead"] - 1) for p in pts]
+        lo = [100 * (p["overhead"] - p["overhead_min"]) for p in pts]
+        hi = [100 * (p["overhead_max"] - p["overhead"]) for p in pts]
+        ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=f"{mode} ({hooks})")
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("overhead vs off (%)")
+    ax.set_title(f"{j['architecture']} {j['dtype']}, prompt {j['prompt_len']} + {j['new_tokens']} tokens, "
+                 f"median of {j['repeats']}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+#!/usr/bin/python3
+"""dmi-bench smoke run on a tiny model: the JSON is well-formed, every mode
+ran for every configuration, and the plotter turns it into a PNG. No timing
+assertions.
+
+  bench_smoke.py DMI_BENCH TEST_MODELS
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+bench, models = sys.argv[1], sys.argv[2]
+tmp = tempfile.mkdtemp(prefix="dmi-bench-")
+out = os.path.join(tmp, "r.json")
+modes = ["off", "null", "async", "sync", "materialize"]
+r = subprocess.run([bench, "-q", "--model", os.path.join(models, "qwen3-untied-f32"), "--dtype", "float32",
+                    "--batch-sizes", "1,2", "--prompt-len", "8", "--new-tokens", "4", "--hooks", "residual",
+                    "--hooks", "blocks.{0-1}.attn.hook_pattern,logits", "--repeats", "2", "--warmup", "0",
+                    "--tmp-dir", tmp, "--json", out], capture_output=True, text=True, timeout=300)
+if r.returncode != 0:
+    sys.exit(f"FAIL: dmi-bench exited {r.returncode}: {r.stderr}")
+j = json.load(open(out))
+for k in ("model", "dtype", "weight_bytes", "read_bandwidth_gbs", "decode_floor_ms", "summary", "runs"):
+    if k not in j:
+        sys.exit(f"FAIL: JSON lacks {k}")
+want = {(b, h, m) for b in (1, 2) for h in j["hooks"] for m in modes}
+got = {(s["batch"], s["hooks"], s["mode"]) for s in j["summary"]}
+if got != want:
+    sys.exit(f"FAIL: configurations {sorted(want - got)} missing")
+if len(j["runs"]) != 2 * len(want):
+    sys.exit(f"FAIL: {len(j['runs'])} runs, want {2 * len(want)}")
+for s in j["summary"]:
+    for k in ("prefill_tokens_per_second", "decode_tokens_per_second", "time_per_output_token_ms",
+              "end_to_end_tokens_per_second", "overhead", "peak_rss_mb"):
+        if not s[k] > 0:
+            sys.exit(f"FAIL: {s['mode']} {k} = {s[k]}")
+    captured = s["bytes_captured"] > 0
+    if captured != (s["mode"] != "off"):
+        sys.exit(f"FAIL: {s['mode']} captured {s['bytes_captured']} bytes")
+# Every capturing mode captured the same bytes for the same configuration.
+for b in (1, 2):
+    for h in j["hooks"]:
+        sizes = {s["bytes_captured"] for s in j["summary"] if s["batch"] == b and s["hooks"] == h and s["mode"] != "off"}
+        if len(sizes) != 1:
+            sys.exit(f"FAIL: modes captured different amounts: {sizes}")
+if "overhead" not in r.stdout or "materialize" not in r.stdout:
+    sys.exit("FAIL: no table on stdout")
+png = os.path.join(tmp, "r.png")
+p = subprocess.run(["/usr/bin/python3", os.path.join(ROOT, "scripts", "plot_bench.py"), out, png],
+                   capture_output=True, text=True)
+if p.returncode != 0 or open(png, "rb").read(8) != b"\x89PNG\r\n\x1a\n":
+    sys.exit(f"FAIL: plot: {p.stderr}")
+print("ok")

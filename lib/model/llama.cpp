@@ -80,12 +80,19 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
   DMI_CHECK(L <= cache.capacity, "sequence needs {} cache columns, cache holds {}", L, cache.capacity);
   DMI_CHECK(in.key_valid.size(0) == B && in.key_valid.size(1) == L, "key_valid must be [B, start + T]");
 
+#ifdef DMI_NO_HOOKS
+  // Hooks compiled out (-DDMI_HOOKS=OFF): the baseline dmi-bench compares
+  // "off" with, to show that an unused HookPoint costs nothing.
+  DMI_CHECK(!obs, "this build has hooks compiled out (DMI_HOOKS=OFF)");
+  auto hook = [](Site, int, const at::Tensor&) {};
+#else
   DMI_CHECK(!obs || in.info, "forward: an observer needs ForwardInput::info");
   if (obs) obs->begin_forward(*in.info);
   // The HookPoint: one branch when nobody listens.
   auto hook = [&](Site s, int layer, const at::Tensor& t) {
     if (obs && obs->wants(s, layer)) obs->observe(s, layer, t, *in.info);
   };
+#endif
 
   // allowed[b, t, c]: query t (cache column start + t) may attend to column
   // c. Every query sees its own column, so padding rows stay finite.
@@ -162,7 +169,11 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
   }
   x = rms_norm(x, final_norm_);
   hook(Site::ln_final, -1, x);
+#ifdef DMI_NO_HOOKS
+  const bool all = in.all_logits;
+#else
   const bool all = in.all_logits || (obs && obs->wants(Site::logits, -1));
+#endif
   at::Tensor logits = at::linear(all ? x : x.narrow(1, T - 1, 1), lm_head_);
   hook(Site::logits, -1, logits);
   logits = logits.to(at::kFloat);

@@ -12,6 +12,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "app_main.h"
 #include "common/error.h"
 #include "engine/bench.h"
 #include "engine/runtime.h"
@@ -98,15 +99,9 @@ int main(int argc, char** argv) {
   app.add_option("--tmp-dir", tmp_dir, "where HDF5 files of the async/sync/materialize runs go (deleted after)")
       ->capture_default_str();
   app.add_flag("-q,--quiet", quiet, "no progress on stderr");
-  try {
-    app.parse(argc, argv);
-    dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(dtype));
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) return app.exit(e);
-    std::fprintf(stderr, "dmi-bench: error: %s (see --help)\n", e.what());
-    return 2;
-  }
-  try {
+  if (int rc = dmi::apps::parse_args("dmi-bench", app, argc, argv); rc >= 0) return rc;
+  dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(dtype));
+  return dmi::apps::guarded("dmi-bench", [&] {
     threads = dmi::engine::configure_threads(threads);
     cfg.batch_sizes = parse_ints(batches, "--batch-sizes");
     cfg.modes = split(modes);
@@ -210,14 +205,5 @@ int main(int argc, char** argv) {
       DMI_CHECK(f.good(), "{}: write failed", json_out);
     }
     return 0;
-  } catch (const dmi::Error& e) {
-    std::fprintf(stderr, "dmi-bench: error: %s\n", e.what());
-    return 2;
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "dmi-bench: internal error: %s\n", e.what_without_backtrace());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "dmi-bench: internal error: %s\n", e.what());
-    return 1;
-  }
+  });
 }

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "analysis/diff.h"
+#include "app_main.h"
 #include "common/error.h"
 #include "sink/capture_file.h"
 
@@ -110,23 +111,7 @@ int main(int argc, char** argv) {
   app.add_option("--rtol", o.rtol, "relative tolerance")->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_flag("--json", as_json, "machine-readable report on stdout");
   app.add_flag("-q,--quiet", quiet, "print only sites that differ, and the verdict");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) return app.exit(e);
-    std::fprintf(stderr, "dmi-diff: error: %s (see --help)\n", e.what());
-    return 2;
-  }
-  try {
-    return run(a, b, o, as_json, quiet);
-  } catch (const dmi::Error& e) {
-    std::fprintf(stderr, "dmi-diff: error: %s\n", e.what());
-    return 2;
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "dmi-diff: internal error: %s\n", e.what_without_backtrace());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "dmi-diff: internal error: %s\n", e.what());
-    return 2;
-  }
+  if (int rc = dmi::apps::parse_args("dmi-diff", app, argc, argv); rc >= 0) return rc;
+  // Exit status 1 means "different", so internal errors are 2 as well.
+  return dmi::apps::guarded("dmi-diff", [&] { return run(a, b, o, as_json, quiet); }, 2);
 }

@@ -15,6 +15,7 @@
 
 #include "analysis/png.h"
 #include "analysis/stats.h"
+#include "app_main.h"
 #include "common/error.h"
 #include "io/tokenizer.h"
 #include "sink/capture_file.h"
@@ -458,14 +459,8 @@ int main(int argc, char** argv) {
   logits->add_option("--pos", o.qpos, "position")->required();
   logits->add_option("--top", o.top, "how many")->capture_default_str()->check(CLI::PositiveNumber);
   for (auto* sub : {summary, sites, text, show, stats, attention, logits}) sub->add_flag("--json", o.json, "machine-readable output");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) return app.exit(e);
-    std::fprintf(stderr, "dmi-inspect: error: %s (see --help)\n", e.what());
-    return 2;
-  }
-  try {
+  if (int rc = dmi::apps::parse_args("dmi-inspect", app, argc, argv); rc >= 0) return rc;
+  return dmi::apps::guarded("dmi-inspect", [&] {
     auto f = CaptureFile::open(o.file);
     const std::string status = f->status();
     if (status != "complete")
@@ -477,16 +472,6 @@ int main(int argc, char** argv) {
     if (show->parsed()) return cmd_show(*f, o);
     if (stats->parsed()) return cmd_stats(*f, o);
     if (attention->parsed()) return cmd_attention(*f, o);
-    if (logits->parsed()) return cmd_logits(*f, o);
-  } catch (const dmi::Error& e) {
-    std::fprintf(stderr, "dmi-inspect: error: %s\n", e.what());
-    return 2;
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "dmi-inspect: internal error: %s\n", e.what_without_backtrace());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "dmi-inspect: internal error: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+    return cmd_logits(*f, o);
+  });
 }

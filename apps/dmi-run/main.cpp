@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "app_main.h"
 #include "common/error.h"
 #include "engine/capture_run.h"
 #include "engine/generator.h"
@@ -265,25 +266,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("-q,--quiet", a.quiet, "no progress or timing lines on stderr");
   for (int i = 0; i < argc; ++i) a.command_line += (i ? " " : "") + shell_quote(argv[i]);
-  try {
-    app.parse(argc, argv);
-    if (a.top_p <= 0.0) throw CLI::ValidationError("--top-p", "must be in (0, 1]");
-    dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(a.dtype));
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) return app.exit(e);
-    std::fprintf(stderr, "dmi-run: error: %s (see --help)\n", e.what());
+  if (int rc = dmi::apps::parse_args("dmi-run", app, argc, argv); rc >= 0) return rc;
+  if (a.top_p <= 0.0) {
+    std::fprintf(stderr, "dmi-run: error: --top-p must be in (0, 1] (see --help)\n");
     return 2;
   }
-  try {
-    return run(a);
-  } catch (const dmi::Error& e) {
-    std::fprintf(stderr, "dmi-run: error: %s\n", e.what());
-    return 2;
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "dmi-run: internal error: %s\n", e.what_without_backtrace());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "dmi-run: internal error: %s\n", e.what());
-    return 1;
-  }
+  dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(a.dtype));
+  return dmi::apps::guarded("dmi-run", [&] { return run(a); });
 }

@@ -122,7 +122,6 @@ def encode_with_merges(text, merges):
     b2u = bytes_to_unicode()
     rank = {m: i for i, m in enumerate(merges)}
     cache = {}
-    ids_of = None
     out = []
     for w in PY_SPLIT.findall(text):
         u = "".join(b2u[b] for b in w.encode())

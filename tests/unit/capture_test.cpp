@@ -1,6 +1,7 @@
 #include <ATen/ATen.h>
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -109,16 +110,14 @@ TEST_CASE("ring: drop mode never stalls and counts drops per stream") {
   sink.delay_ms = 5;  // a slow disk
   dmi::ring::CpuRing ring(2 * 192, 1024, dmi::ring::OnFull::drop, 3, sink);
   std::vector<bool> accepted;
-  auto t0 = std::chrono::steady_clock::now();
   push_n(ring, 60, &accepted);
-  double push_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ring.drain();
   auto st = ring.stats();
   CHECK(st.records_dropped > 0);
   CHECK(st.records_written + st.records_dropped == 60);
   CHECK(st.dropped_per_stream[0] + st.dropped_per_stream[1] + st.dropped_per_stream[2] == st.records_dropped);
-  CHECK(push_s < 60 * 0.005);  // it did not wait for the sink
-  CHECK(st.producer_wait_seconds == 0.0);
+  CHECK(st.producer_wait_seconds == 0.0);  // the producer never waited for the sink
+  CHECK(std::count(accepted.begin(), accepted.end(), false) == static_cast<long>(st.records_dropped));
 }
 
 TEST_CASE("ring: a record larger than the arena is an error in block mode") {

@@ -172,7 +172,6 @@ std::unique_ptr<CaptureFile> CaptureFile::open(const std::string& path) {
         e.stored_bytes += H5Dget_storage_size(x.id);
         if (std::string(ds) == "ids") e.raw_bytes += 4ull * e.rows * e.row_shape.back();
       }
-      f->site_index_[name] = f->sites_.size();
       f->sites_.push_back(std::move(e));
     }
     // Forward order: the writer numbers sites in the order it created them.

@@ -122,10 +122,18 @@ elif case == "bad-jsonl":
     open(p, "w").write('{"text": "ok"}\n{"texts": "typo"}\n')
     args += ["--model", good, "--prompts", p]
     expect = "prompts.jsonl:2: each JSON line needs exactly one of \"text\" or \"ids\""
+elif case == "unknown-hook":
+    out = os.path.join(tmp, "never.h5")
+    args += ["--model", good, "--hooks", "resid_pots", "-o", out]
+    expect = "--hooks: unknown site 'resid_pots'; did you mean resid_post"
+elif case == "hooks-without-output":
+    args += ["--model", good, "--hooks", "residual"]
+    expect = "--hooks with --sink hdf5 needs --output FILE.h5"
 else:
     sys.exit(f"unknown case {case}")
 
 r = subprocess.run([dmi_run] + args, capture_output=True, text=True, errors="replace", timeout=120)
+left_behind = [f for f in os.listdir(tmp) if f.endswith(".h5")]
 shutil.rmtree(tmp)
 err_lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
 problems = []
@@ -137,6 +145,8 @@ if expect not in r.stderr:
     problems.append(f"stderr lacks {expect!r}")
 if r.stdout:
     problems.append("stdout is not empty")
+if left_behind:
+    problems.append(f"left a capture file behind: {left_behind}")
 print(f"stderr: {r.stderr.strip()}")
 if problems:
     print("FAIL: " + "; ".join(problems))

@@ -58,9 +58,4 @@ int configure_threads(int n) {
   return n;
 }
 
-std::string runtime_summary() {
-  const char* core = std::getenv("OPENBLAS_CORETYPE");
-  return fmt::format("torch {} intra-op threads; OpenBLAS core {}", at::get_num_threads(), core ? core : "auto");
-}
-
 }  // namespace dmi::engine

@@ -33,7 +33,4 @@ void prepare_process_env(int argc, char** argv, MathOwner owner);
 // number of online CPUs). Returns the count used.
 int configure_threads(int n);
 
-// A one-line description of the thread set-up, for --json and benchmarks.
-std::string runtime_summary();
-
 }  // namespace dmi::engine

@@ -92,19 +92,6 @@ const std::vector<std::string>& preset_names() {
   return p;
 }
 
-std::vector<std::string> SiteSpace::all_names() const {
-  std::vector<std::string> out;
-  out.push_back(site_name(Site::embed, -1));
-  for (int l = 0; l < n_layers; ++l)
-    for (int s = 0; s < kSites; ++s) {
-      Site site = static_cast<Site>(s);
-      if (is_layer_site(site) && has(site)) out.push_back(site_name(site, l));
-    }
-  out.push_back(site_name(Site::ln_final, -1));
-  out.push_back(site_name(Site::logits, -1));
-  return out;
-}
-
 void Selection::add(Site s, int layer) {
   if (!space_.has(s)) return;
   auto bit = bits_[static_cast<int>(s)][layer < 0 ? 0 : layer];
@@ -116,7 +103,6 @@ void Selection::add(Site s, int layer) {
 
 Selection Selection::parse(const std::string& spec, const SiteSpace& space) {
   Selection sel;
-  sel.spec_ = spec;
   sel.space_ = space;
   sel.bits_.assign(kSites, std::vector<bool>(std::max(space.n_layers, 1), false));
   const int L = space.n_layers;

@@ -21,8 +21,6 @@ struct SiteSpace {
   int n_layers = 0;
   bool qk_norm = false;
   bool has(Site s) const { return qk_norm || (s != Site::q_normalized && s != Site::k_normalized); }
-  // Every site name in forward order.
-  std::vector<std::string> all_names() const;
 };
 
 class Selection {
@@ -37,11 +35,9 @@ class Selection {
   std::size_t size() const { return count_; }
   // Selected (site, layer) pairs in forward order; layer -1 for global sites.
   std::vector<std::pair<Site, int>> sites() const;
-  const std::string& spec() const { return spec_; }
 
  private:
   void add(Site s, int layer);
-  std::string spec_;
   SiteSpace space_;
   std::vector<std::vector<bool>> bits_;  // [site][layer]
   std::size_t count_ = 0;

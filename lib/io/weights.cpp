@@ -71,18 +71,6 @@ WeightStore::WeightStore(const std::string& dir) {
   }
 }
 
-std::vector<std::string> WeightStore::names() const {
-  std::vector<std::string> out;
-  for (const auto& [n, v] : where_) out.push_back(n);
-  return out;
-}
-
-std::size_t WeightStore::bytes() const {
-  std::size_t n = 0;
-  for (const auto& [name, v] : where_) n += v->nbytes;
-  return n;
-}
-
 at::Tensor WeightStore::get(const std::string& name, at::ScalarType dtype,
                             const std::vector<std::int64_t>& shape) const {
   auto it = where_.find(name);

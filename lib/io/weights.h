@@ -20,14 +20,12 @@ class WeightStore {
   explicit WeightStore(const std::string& model_dir);
 
   bool has(const std::string& name) const { return where_.count(name) != 0; }
-  std::vector<std::string> names() const;
   // The tensor `name` as `dtype`, checked against `shape`; errors name the
   // file and the tensor.
   at::Tensor get(const std::string& name, at::ScalarType dtype, const std::vector<std::int64_t>& shape) const;
   // How many tensors were served as zero-copy views / as copies.
   std::size_t views() const { return views_; }
   std::size_t copies() const { return copies_; }
-  std::size_t bytes() const;
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;

@@ -192,18 +192,6 @@ std::optional<std::int64_t> CaptureFile::int_attr(const std::string& name) const
   return read_int_attr(file_, name);
 }
 
-std::vector<std::string> CaptureFile::attribute_names() const {
-  std::vector<std::string> out;
-  int n = H5Aget_num_attrs(file_);
-  for (int i = 0; i < n; ++i) {
-    H5Handle a{H5Aopen_idx(file_, static_cast<unsigned>(i)), H5Aclose};
-    char buf[256];
-    H5Aget_name(a.id, sizeof buf, buf);
-    out.emplace_back(buf);
-  }
-  return out;
-}
-
 bool CaptureFile::has_site(const std::string& name) const { return site_index_.count(name) != 0; }
 
 const SiteEntry& CaptureFile::site(const std::string& name) const {

@@ -40,7 +40,6 @@ class CaptureFile {
   std::string status() const { return text_attr("status"); }
   std::string text_attr(const std::string& name) const;  // "" when absent
   std::optional<std::int64_t> int_attr(const std::string& name) const;
-  std::vector<std::string> attribute_names() const;
 
   const std::vector<SiteEntry>& sites() const { return sites_; }
   const SiteEntry& site(const std::string& name) const;  // throws naming near matches

@@ -75,13 +75,14 @@ int main(int argc, char** argv) {
       "  dmi-bench --hooks residual --hooks full --modes off,null,async --repeats 5\n"
       "  /usr/bin/python3 scripts/plot_bench.py r.json r.png   # overhead vs batch size per mode\n"
       "\nExit status: 0 ok, 2 bad input.");
-  std::string model_dir, dtype = "bfloat16", batches = "1,8", modes = "off,null,async,sync,materialize", json_out,
+  std::string model_dir, hook_map, dtype = "bfloat16", batches = "1,8", modes = "off,null,async,sync,materialize", json_out,
                          tmp_dir = "/tmp";
   std::vector<std::string> hooks;
   dmi::engine::BenchConfig cfg;
   int threads = 0;
   bool quiet = false;
-  app.add_option("-m,--model", model_dir, "HF model directory (default: the embedded model)");
+  app.add_option("-m,--model", model_dir, "HF model directory or TorchScript .pt file (default: the embedded model)");
+  app.add_option("--hook-map", hook_map, "TorchScript only: hook map JSON (as for dmi-run)");
   app.add_option("--dtype", dtype, "compute dtype")->capture_default_str()->check(CLI::IsMember({"float32", "bfloat16"}));
   app.add_option("--batch-sizes", batches, "comma-separated batch sizes")->capture_default_str();
   app.add_option("--prompt-len", cfg.prompt_len, "prompt tokens per sequence (random ids)")->capture_default_str()
@@ -110,7 +111,7 @@ int main(int argc, char** argv) {
     if (model_dir.empty())
       model_dir = std::getenv("DMI_DEFAULT_MODEL") ? std::getenv("DMI_DEFAULT_MODEL")
                                                    : std::string(DMI_SOURCE_DIR) + "/data/default-model";
-    auto model = dmi::model::load_model(model_dir, dtype == "bfloat16" ? at::kBFloat16 : at::kFloat);
+    auto model = dmi::model::load_model(model_dir, dtype == "bfloat16" ? at::kBFloat16 : at::kFloat, {hook_map});
     const double bw = dmi::engine::measure_read_bandwidth_gbs();
     const double floor_ms = model->weight_bytes() / (bw * 1e9) * 1000.0;
     if (!quiet)

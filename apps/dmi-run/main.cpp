@@ -34,7 +34,7 @@ std::string default_model_dir() {
 constexpr const char* kDefaultPrompt = "LOVE, n.";
 
 struct Args {
-  std::string model, tokenizer, prompts_file, dtype = "float32";
+  std::string model, tokenizer, hook_map, prompts_file, dtype = "float32";
   std::vector<std::string> prompts, prompt_ids;
   std::int64_t max_new_tokens = 32, batch_size = 1, top_k = 0;
   double temperature = 0.0, top_p = 1.0;
@@ -73,8 +73,8 @@ int run(const Args& a) {
   for (const auto& p : a.prompt_ids) specs.push_back({"", engine::parse_id_list(p), true});
   if (specs.empty()) specs.push_back({kDefaultPrompt, {}, false});
 
-  const std::string tok_path = a.tokenizer.empty() ? model_dir + "/tokenizer.json" : a.tokenizer;
-  auto model = model::load_model(model_dir, dtype);
+  const std::string tok_path = a.tokenizer.empty() ? model::default_tokenizer_path(model_dir) : a.tokenizer;
+  auto model = model::load_model(model_dir, dtype, {a.hook_map});
   io::Tokenizer tok = io::Tokenizer::load(tok_path);
   const auto& cfg = model->config();
 
@@ -123,7 +123,7 @@ int run(const Args& a) {
                  {"batch_size", a.batch_size},
                  {"n_layers", cfg.num_layers},
                  {"attention_width", longest}};
-    capture = std::make_unique<engine::CaptureRun>(a.capture, cfg, dtype, longest, info);
+    capture = std::make_unique<engine::CaptureRun>(a.capture, cfg, model->site_space(), dtype, longest, info);
     opts.observer = capture->observer();
   }
 
@@ -206,7 +206,9 @@ int run(const Args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"dmi-run: generate text with a Hugging Face model (config.json + safetensors + tokenizer.json)."};
+  CLI::App app{
+      "dmi-run: generate text with a Hugging Face model (config.json + safetensors + tokenizer.json) or a "
+      "TorchScript model (.pt), capturing what it computes."};
   app.footer(
       "Examples:\n"
       "  dmi-run                                   # the embedded default model, default prompt\n"
@@ -217,10 +219,17 @@ int main(int argc, char** argv) {
       "  dmi-run --hooks residual -o run.h5                 # capture residual streams to HDF5\n"
       "  dmi-run --hooks 'blocks.{0-1}.attn.hook_pattern,logits' --logits topk:20 -o attn.h5\n"
       "  dmi-run --hooks full --sink null --json             # transport only, data discarded\n"
+      "  dmi-run --model model.pt --hooks resid_post -o ts.h5   # TorchScript (docs/torchscript.md)\n"
+      "  dmi-run --model plain.pt --hook-map layers.json --hooks resid_post -o ts.h5\n"
       "\nExit status: 0 ok, 2 bad input (one line on stderr), 130 interrupted, 1 internal error.");
   Args a;
-  app.add_option("-m,--model", a.model, "HF model directory (default: the embedded model in data/default-model)");
-  app.add_option("--tokenizer", a.tokenizer, "tokenizer.json (default: MODEL/tokenizer.json)");
+  app.add_option("-m,--model", a.model,
+                 "HF model directory, or a TorchScript .pt file (default: the embedded model in data/default-model)");
+  app.add_option("--tokenizer", a.tokenizer,
+                 "tokenizer.json (default: MODEL/tokenizer.json, or tokenizer.json next to a .pt file)");
+  app.add_option("--hook-map", a.hook_map,
+                 "TorchScript only: JSON mapping submodule outputs to sites, inserted as hooks "
+                 "(schemas/dmi-hook-map.schema.json)");
   app.add_option("-p,--prompt", a.prompts, "prompt text (repeatable)");
   app.add_option("--prompts", a.prompts_file, "file of prompts: one per line, or JSONL with \"text\" or \"ids\"");
   app.add_option("--prompt-ids", a.prompt_ids, "prompt as comma-separated token ids (repeatable)");

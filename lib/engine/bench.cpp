@@ -90,7 +90,7 @@ std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
             c.transport = mode == "sync" ? "sync" : mode == "materialize" ? "materialize" : "ring";
             sink::RunInfo info;
             info.text = {{"tool", "dmi-bench"}};
-            cap = std::make_unique<CaptureRun>(c, mc, model.dtype(), cfg.prompt_len + cfg.new_tokens, info);
+            cap = std::make_unique<CaptureRun>(c, mc, model.site_space(), model.dtype(), cfg.prompt_len + cfg.new_tokens, info);
             o.observer = cap->observer();
           }
           reset_peak_rss();

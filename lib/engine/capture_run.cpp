@@ -41,11 +41,11 @@ void validate_capture_config(const CaptureConfig& c) {
   DMI_CHECK(c.sink != "hdf5" || !c.output.empty(), "--hooks with --sink hdf5 needs --output FILE.h5");
 }
 
-CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, at::ScalarType model_dtype,
-                       std::int64_t max_len, const sink::RunInfo& info) {
+CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, const hooks::SiteSpace& space,
+                       at::ScalarType model_dtype, std::int64_t max_len, const sink::RunInfo& info) {
   validate_capture_config(c);
   hooks::CaptureOptions o;
-  o.selection = hooks::Selection::parse(c.hooks, hooks::SiteSpace{static_cast<int>(cfg.num_layers), cfg.qk_norm});
+  o.selection = hooks::Selection::parse(c.hooks, space);
   DMI_CHECK(!o.selection.empty(), "--hooks '{}' selects no site", c.hooks);
   o.tokens = hooks::parse_token_policy(c.tokens);
   o.every = c.every;

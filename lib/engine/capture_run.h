@@ -41,8 +41,8 @@ struct CaptureResult {
 class CaptureRun {
  public:
   // Creates the file (hdf5 sink) and starts the writer thread.
-  CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, at::ScalarType model_dtype, std::int64_t max_len,
-             const sink::RunInfo& info);
+  CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, const hooks::SiteSpace& space,
+             at::ScalarType model_dtype, std::int64_t max_len, const sink::RunInfo& info);
   ~CaptureRun();
   hooks::Observer* observer() { return point_.get(); }
   const std::vector<sink::StreamInfo>& streams() const { return point_->streams(); }

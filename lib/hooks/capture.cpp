@@ -26,47 +26,44 @@ const char* token_policy_name(TokenPolicy p) {
   return "?";
 }
 
+std::vector<std::int64_t> site_row_shape(Site site, const io::ModelConfig& cfg, std::int64_t attention_width) {
+  switch (site) {
+    case Site::q:
+    case Site::q_normalized:
+    case Site::rot_q:
+    case Site::z: return {cfg.num_heads, cfg.head_dim};
+    case Site::k:
+    case Site::v:
+    case Site::k_normalized:
+    case Site::rot_k: return {cfg.num_kv_heads, cfg.head_dim};
+    case Site::mlp_pre:
+    case Site::mlp_pre_linear:
+    case Site::mlp_post: return {cfg.intermediate_size};
+    case Site::attn_scores:
+    case Site::pattern: return {cfg.num_heads, attention_width};
+    case Site::logits: return {cfg.vocab_size};
+    default: return {cfg.hidden_size};
+  }
+}
+
 CapturePoint::CapturePoint(CaptureOptions opts, const io::ModelConfig& cfg, at::ScalarType model_dtype)
     : opts_(std::move(opts)) {
   DMI_CHECK(opts_.every >= 1, "--every must be at least 1");
   const at::ScalarType dtype = opts_.capture_dtype.value_or(model_dtype);
-  const std::int64_t d = cfg.hidden_size, H = cfg.num_heads, KV = cfg.num_kv_heads, D = cfg.head_dim,
-                     F = cfg.intermediate_size, V = cfg.vocab_size;
-  DMI_CHECK(opts_.logits_topk >= 0 && opts_.logits_topk <= V, "--logits topk:{} must be between 1 and vocab_size {}",
-            opts_.logits_topk, V);
+  DMI_CHECK(opts_.logits_topk >= 0 && opts_.logits_topk <= cfg.vocab_size,
+            "--logits topk:{} must be between 1 and vocab_size {}", opts_.logits_topk, cfg.vocab_size);
   stream_of_.assign(static_cast<int>(Site::kCount), std::vector<int>(std::max<std::int64_t>(cfg.num_layers, 1), -1));
   for (auto [site, layer] : opts_.selection.sites()) {
     sink::StreamInfo si;
     si.name = site_name(site, layer);
     si.layer = layer;
     si.dtype = dtype;
-    switch (site) {
-      case Site::q:
-      case Site::q_normalized:
-      case Site::rot_q:
-      case Site::z: si.row_shape = {H, D}; break;
-      case Site::k:
-      case Site::v:
-      case Site::k_normalized:
-      case Site::rot_k: si.row_shape = {KV, D}; break;
-      case Site::mlp_pre:
-      case Site::mlp_pre_linear:
-      case Site::mlp_post: si.row_shape = {F}; break;
-      case Site::attn_scores:
-      case Site::pattern:
-        si.row_shape = {H, opts_.max_len};
-        si.layout = sink::Layout::attention;
-        break;
-      case Site::logits:
-        if (opts_.logits_topk > 0) {
-          si.row_shape = {2, opts_.logits_topk};
-          si.layout = sink::Layout::topk;
-          si.dtype = at::kFloat;
-        } else {
-          si.row_shape = {V};
-        }
-        break;
-      default: si.row_shape = {d};
+    si.row_shape = site_row_shape(site, cfg, opts_.max_len);
+    if (site == Site::attn_scores || site == Site::pattern) si.layout = sink::Layout::attention;
+    if (site == Site::logits && opts_.logits_topk > 0) {
+      si.row_shape = {2, opts_.logits_topk};
+      si.layout = sink::Layout::topk;
+      si.dtype = at::kFloat;
     }
     stream_of_[static_cast<int>(site)][layer < 0 ? 0 : layer] = static_cast<int>(streams_.size());
     streams_.push_back(std::move(si));

@@ -18,6 +18,10 @@ enum class TokenPolicy { all, prompt, generated, last_prompt };
 TokenPolicy parse_token_policy(const std::string& s);
 const char* token_policy_name(TokenPolicy p);
 
+// The shape of one captured row of `site` (one token): [d_model], [heads,
+// head_dim], [heads, attention_width] for attention rows, ...
+std::vector<std::int64_t> site_row_shape(Site site, const io::ModelConfig& cfg, std::int64_t attention_width);
+
 struct CaptureOptions {
   Selection selection;
   TokenPolicy tokens = TokenPolicy::all;

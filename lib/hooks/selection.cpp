@@ -58,6 +58,20 @@ bool expand_layer_set(const std::string& item, int n_layers, std::set<int>& laye
 
 }  // namespace
 
+const std::vector<std::pair<std::string, Site>>& short_site_names();
+
+namespace {
+
+// A name that exists in the TransformerLens scheme but not in this model.
+[[noreturn]] void fail_absent(const std::string& item, const SiteSpace& space) {
+  std::vector<std::string> have;
+  for (const auto& [name, site] : short_site_names())
+    if (space.has(site)) have.push_back(name);
+  DMI_FAIL("--hooks: '{}' is not produced by this model; it has {}", item, fmt::join(have, ", "));
+}
+
+}  // namespace
+
 const std::vector<std::pair<std::string, Site>>& short_site_names() {
   static const std::vector<std::pair<std::string, Site>> names = {
       {"embed", Site::embed},
@@ -92,8 +106,15 @@ const std::vector<std::string>& preset_names() {
   return p;
 }
 
+bool SiteSpace::has(Site s) const {
+  if (!is_layer_site(s)) return has(s, -1);
+  for (int l = 0; l < n_layers; ++l)
+    if (has(s, l)) return true;
+  return false;
+}
+
 void Selection::add(Site s, int layer) {
-  if (!space_.has(s)) return;
+  if (!space_.has(s, layer)) return;
   auto bit = bits_[static_cast<int>(s)][layer < 0 ? 0 : layer];
   if (!bit) {
     bits_[static_cast<int>(s)][layer < 0 ? 0 : layer] = true;
@@ -171,7 +192,10 @@ Selection Selection::parse(const std::string& spec, const SiteSpace& space) {
     auto sh = std::find_if(short_site_names().begin(), short_site_names().end(),
                            [&](const auto& p) { return p.first == item; });
     if (sh != short_site_names().end()) {
-      DMI_CHECK(space.has(sh->second), "--hooks: '{}' does not exist in this model (no per-head q/k norms)", item);
+      if (!space.has(sh->second)) {
+        DMI_CHECK(!space.available.empty(), "--hooks: '{}' does not exist in this model (no per-head q/k norms)", item);
+        fail_absent(item, space);
+      }
       all_layers(sh->second);
       continue;
     }
@@ -179,8 +203,13 @@ Selection Selection::parse(const std::string& spec, const SiteSpace& space) {
     std::string pattern = item;
     const bool layer_set = expand_layer_set(item, L, layers, pattern);
     std::size_t matched = 0;
+    std::size_t absent = 0;
     for (const auto& [name, site, layer] : named) {
-      if (!space.has(site)) continue;
+      if (layer_set && !layers.count(layer)) continue;
+      if (!space.has(site, layer)) {
+        absent += fnmatch(pattern.c_str(), name.c_str(), 0) == 0;
+        continue;
+      }
       if (layer_set && !layers.count(layer)) continue;
       if (fnmatch(pattern.c_str(), name.c_str(), 0) == 0) {
         sel.add(site, layer);
@@ -188,10 +217,11 @@ Selection Selection::parse(const std::string& spec, const SiteSpace& space) {
       }
     }
     if (matched > 0) continue;
+    if (absent > 0) fail_absent(item, space);
     // Nothing matched: suggest the nearest names.
     std::vector<std::pair<std::size_t, std::string>> cand;
     for (const auto& [name, site, layer] : named)
-      if (space.has(site)) cand.emplace_back(edit_distance(item, name), name);
+      if (space.has(site, layer)) cand.emplace_back(edit_distance(item, name), name);
     for (const auto& [s, site] : short_site_names())
       if (space.has(site)) cand.emplace_back(edit_distance(item, s), s);
     for (const auto& p : preset_names()) cand.emplace_back(edit_distance(item, p), p);

@@ -16,11 +16,19 @@
 
 namespace dmi::hooks {
 
-// The sites a model has (Qwen3's q/k norms only where present).
+// The sites a model has (Qwen3's q/k norms only where present; for
+// TorchScript models, the sites its hook calls produce).
 struct SiteSpace {
   int n_layers = 0;
   bool qk_norm = false;
-  bool has(Site s) const { return qk_norm || (s != Site::q_normalized && s != Site::k_normalized); }
+  // [site][max(layer, 0)]: the sites that exist; empty means all of them.
+  std::vector<std::vector<bool>> available;
+  bool has(Site s, int layer) const {
+    if (!qk_norm && (s == Site::q_normalized || s == Site::k_normalized)) return false;
+    return available.empty() || available[static_cast<int>(s)][layer < 0 ? 0 : layer];
+  }
+  // The site exists at some layer.
+  bool has(Site s) const;
 };
 
 class Selection {

@@ -41,4 +41,24 @@ std::string site_name(Site s, int layer) {
   return fmt::format("blocks.{}.{}", layer, site_suffix(s));
 }
 
+bool parse_site_name(const std::string& name, Site& site, int& layer) {
+  std::string suffix = name;
+  layer = -1;
+  if (name.rfind("blocks.", 0) == 0) {
+    std::size_t i = 7, j = i;
+    while (j < name.size() && name[j] >= '0' && name[j] <= '9') ++j;
+    if (j == i || j - i > 6 || j >= name.size() || name[j] != '.' || (name[i] == '0' && j - i > 1)) return false;
+    layer = std::stoi(name.substr(i, j - i));
+    suffix = name.substr(j + 1);
+  }
+  for (int s = 0; s < static_cast<int>(Site::kCount); ++s) {
+    const Site cand = static_cast<Site>(s);
+    if (suffix == site_suffix(cand) && is_layer_site(cand) == (layer >= 0)) {
+      site = cand;
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace dmi::hooks

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace dmi::hooks {
 
@@ -43,6 +44,9 @@ bool is_layer_site(Site s);
 const char* site_suffix(Site s);
 // The full TransformerLens name; layer is ignored for global sites.
 std::string site_name(Site s, int layer);
+// The inverse of site_name: "blocks.3.hook_resid_post" -> (resid_post, 3),
+// "hook_embed" -> (embed, -1); false for names that are not sites.
+bool parse_site_name(const std::string& name, Site& site, int& layer);
 
 // What the generator knows about the tokens a forward pass processes, for
 // observers that must map batch rows back to sequences and positions.

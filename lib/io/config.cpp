@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -122,7 +123,9 @@ RopeConfig parse_rope(const json& j, const std::string& path, const Reader& r) {
 
 }  // namespace
 
-ModelConfig parse_config(const std::string& text, const std::string& path) {
+namespace {
+
+json parse_object(const std::string& text, const std::string& path) {
   json raw;
   try {
     raw = json::parse(text);
@@ -130,6 +133,41 @@ ModelConfig parse_config(const std::string& text, const std::string& path) {
     DMI_FAIL("{}: malformed JSON: {}", path, e.what());
   }
   DMI_CHECK(raw.is_object(), "{}: config.json must be a JSON object", path);
+  return raw;
+}
+
+void read_special_ids(const json& j, const std::string& path, ModelConfig& c) {
+  if (j.contains("bos_token_id") && !j["bos_token_id"].is_null()) {
+    auto b = token_ids(j["bos_token_id"], path, "bos_token_id");
+    if (!b.empty()) c.bos_token_id = b[0];
+  }
+  if (j.contains("eos_token_id")) c.eos_token_ids = token_ids(j["eos_token_id"], path, "eos_token_id");
+}
+
+}  // namespace
+
+ModelConfig parse_generic_config(const std::string& text, const std::string& path) {
+  const json j = parse_object(text, path);
+  ModelConfig c;
+  c.path = path;
+  c.json_text = text;
+  if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty() &&
+      j["architectures"][0].is_string())
+    c.architecture = j["architectures"][0].get<std::string>();
+  Reader r(j, path);
+  c.max_position_embeddings = r.positive_int("max_position_embeddings");
+  std::int64_t* fields[] = {&c.vocab_size, &c.num_layers, &c.hidden_size, &c.intermediate_size,
+                            &c.num_heads, &c.num_kv_heads, &c.head_dim};
+  const char* keys[] = {"vocab_size", "num_hidden_layers", "hidden_size", "intermediate_size",
+                        "num_attention_heads", "num_key_value_heads", "head_dim"};
+  for (std::size_t k = 0; k < std::size(keys); ++k)
+    if (r.present(keys[k])) *fields[k] = r.positive_int(keys[k]);
+  read_special_ids(j, path, c);
+  return c;
+}
+
+ModelConfig parse_config(const std::string& text, const std::string& path) {
+  const json raw = parse_object(text, path);
   DMI_CHECK(raw.contains("architectures") && raw["architectures"].is_array() && !raw["architectures"].empty() &&
                 raw["architectures"][0].is_string(),
             "{}: missing field 'architectures' (supported: {})", path,
@@ -173,11 +211,7 @@ ModelConfig parse_config(const std::string& text, const std::string& path) {
     c.sliding_window = r.positive_int("sliding_window");
   if (r.present("hidden_act")) c.hidden_act = j["hidden_act"].get<std::string>();
   DMI_CHECK(c.hidden_act == "silu", "{}: hidden_act '{}' is not supported (supported: silu)", path, c.hidden_act);
-  if (r.present("bos_token_id")) {
-    auto b = token_ids(j["bos_token_id"], path, "bos_token_id");
-    if (!b.empty()) c.bos_token_id = b[0];
-  }
-  if (j.contains("eos_token_id")) c.eos_token_ids = token_ids(j["eos_token_id"], path, "eos_token_id");
+  read_special_ids(j, path, c);
   if (r.present("torch_dtype") && j["torch_dtype"].is_string()) c.torch_dtype = j["torch_dtype"].get<std::string>();
   return c;
 }

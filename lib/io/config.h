@@ -48,5 +48,11 @@ const std::vector<std::string>& supported_architectures();
 // Reads and validates config.json; errors name the file and the field.
 ModelConfig load_config(const std::string& path);
 ModelConfig parse_config(const std::string& json_text, const std::string& path);
+// The metadata of a model dmi does not implement (TorchScript): only
+// max_position_embeddings is required; architectures, vocab_size,
+// num_hidden_layers, hidden_size, intermediate_size, num_attention_heads,
+// num_key_value_heads, head_dim, bos_token_id and eos_token_id are read when
+// present (the caller checks them against the module).
+ModelConfig parse_generic_config(const std::string& json_text, const std::string& path);
 
 }  // namespace dmi::io

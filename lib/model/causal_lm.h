@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "hooks/selection.h"
 #include "hooks/site.h"
 #include "io/config.h"
 
@@ -18,6 +19,9 @@ namespace dmi::model {
 // processed at cache column c (prompts are left-padded to a common column).
 struct KVCache {
   std::vector<at::Tensor> k, v;
+  // Models without a cache (TorchScript, full recomputation) keep the token
+  // ids of every column here instead: [B, capacity] int64.
+  at::Tensor tokens;
   std::int64_t capacity = 0;
 };
 
@@ -40,10 +44,24 @@ class CausalLM {
   virtual at::Tensor forward(const ForwardInput& in, KVCache& cache, hooks::Observer* observer = nullptr) = 0;
   // Bytes of weights read per forward (for bandwidth floors in benchmarks).
   virtual std::size_t weight_bytes() const = 0;
+  // The sites this model's forward produces (for --hooks).
+  virtual hooks::SiteSpace site_space() const {
+    return {static_cast<int>(config().num_layers), config().qk_norm, {}};
+  }
 };
 
-// Loads an HF model directory (config.json + safetensors). dtype: kFloat or
-// kBFloat16. Errors name the file, field or tensor at fault.
-std::unique_ptr<CausalLM> load_model(const std::string& dir, at::ScalarType dtype);
+struct LoadOptions {
+  // TorchScript only: a hook map (io/hook_map.h) whose sites are inserted
+  // into the module's graph.
+  std::string hook_map;
+};
+
+// Loads an HF model directory (config.json + safetensors) or a TorchScript
+// archive (a .pt file; model/torchscript.h). dtype: kFloat or kBFloat16.
+// Errors name the file, field or tensor at fault.
+std::unique_ptr<CausalLM> load_model(const std::string& path, at::ScalarType dtype, const LoadOptions& opts = {});
+
+// tokenizer.json inside an HF directory, or next to a TorchScript file.
+std::string default_tokenizer_path(const std::string& model_path);
 
 }  // namespace dmi::model

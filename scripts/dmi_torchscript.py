@@ -7,8 +7,8 @@ Reads an HF directory (config.json + safetensors; Llama, Mistral, Qwen2,
 Qwen3), builds the same network as an nn.Module whose submodule names are
 Hugging Face's (model.embed_tokens, model.layers.3.self_attn.q_proj, ...),
 scripts it with torch.jit.script and saves it with config.json inside the
-archive. tokenizer.json (and tokenizer_config.json) are copied next to OUT.pt
-unless one is already there.
+archive. tokenizer.json (and tokenizer_config.json) are copied next to OUT.pt;
+an existing different file there is left alone, with a warning.
 
 The module follows dmi's TorchScript calling convention (docs/torchscript.md):
 
@@ -246,9 +246,14 @@ def export(model_dir, out, hooks=True):
     torch.jit.save(sm, out, _extra_files={"config.json": json.dumps(config, indent=2)})
     dst = os.path.dirname(os.path.abspath(out))
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        src = os.path.join(model_dir, name)
-        if os.path.exists(src) and not os.path.exists(os.path.join(dst, name)):
-            shutil.copyfile(src, os.path.join(dst, name))
+        src, to = os.path.join(model_dir, name), os.path.join(dst, name)
+        if not os.path.exists(src):
+            continue
+        if not os.path.exists(to):
+            shutil.copyfile(src, to)
+        elif open(src, "rb").read() != open(to, "rb").read():
+            print(f"warning: {to} exists and differs from {src}; not overwritten (give dmi-run --tokenizer {src})",
+                  file=sys.stderr)
 
 
 def main(argv: List[str]):

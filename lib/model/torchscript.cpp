@@ -196,6 +196,13 @@ class TorchScriptLM final : public CausalLM {
  public:
   TorchScriptLM(const std::string& path, at::ScalarType dtype, const std::string& hook_map) : path_(path), dtype_(dtype) {
     DMI_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "compute dtype must be float32 or bfloat16");
+    {
+      char magic[4] = {};
+      std::ifstream f(path, std::ios::binary);
+      DMI_CHECK(f.read(magic, 4) && std::string(magic, 4) == std::string("PK\x03\x04", 4),
+                "{}: neither an HF model directory nor a TorchScript archive (the zip file torch.jit.save writes)",
+                path);
+    }
     std::unordered_map<std::string, std::string> extra{{"config.json", ""}};
     try {
       module_ = torch::jit::load(path, at::kCPU, extra);

@@ -49,7 +49,7 @@ if case == "missing-model-dir":
 elif case == "model-dir-is-file":
     d = copy_model()
     args += ["--model", os.path.join(d, "config.json")]
-    expect = "not a directory"
+    expect = "neither an HF model directory nor a TorchScript archive"
 elif case == "malformed-config":
     d = copy_model()
     open(os.path.join(d, "config.json"), "w").write('{"architectures": ["LlamaForCausalLM"], ')

@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "hooks/selection.h"
+#include "io/hook_map.h"
 #include "ring/ring.h"
 #include "sink/sink.h"
 
@@ -57,6 +58,75 @@ TEST_CASE("selection: unknown names suggest the nearest") {
   CHECK_THROWS_WITH_AS(Selection::parse("blocks.{2-7}.hook_resid_post", sp), doctest::Contains("outside 0-3"),
                        dmi::Error);
   CHECK_THROWS_WITH_AS(Selection::parse("q_norm", sp), doctest::Contains("does not exist in this model"), dmi::Error);
+}
+
+TEST_CASE("site names: parse_site_name inverts site_name") {
+  for (int s = 0; s < static_cast<int>(Site::kCount); ++s)
+    for (int layer : {0, 7, 31}) {
+      const Site site = static_cast<Site>(s);
+      const std::string name = dmi::hooks::site_name(site, layer);
+      Site got{};
+      int got_layer = -2;
+      REQUIRE(dmi::hooks::parse_site_name(name, got, got_layer));
+      CHECK(got == site);
+      CHECK(got_layer == (dmi::hooks::is_layer_site(site) ? layer : -1));
+    }
+  Site s{};
+  int l = 0;
+  for (const char* bad : {"blocks.3.hook_embed", "hook_resid_post", "blocks..hook_resid_post", "blocks.03.hook_resid_post",
+                          "blocks.x.hook_resid_post", "blocks.1.hook_resid_pots", "resid_post", ""})
+    CHECK_MESSAGE(!dmi::hooks::parse_site_name(bad, s, l), bad);
+}
+
+TEST_CASE("selection: a model that produces only some sites") {
+  SiteSpace sp{2, false};
+  sp.available.assign(static_cast<int>(Site::kCount), std::vector<bool>(2, false));
+  sp.available[static_cast<int>(Site::resid_post)][0] = sp.available[static_cast<int>(Site::resid_post)][1] = true;
+  sp.available[static_cast<int>(Site::logits)][0] = true;
+  CHECK(Selection::parse("resid_post,logits", sp).size() == 3);
+  CHECK(Selection::parse("full", sp).size() == 3);
+  CHECK(Selection::parse("blocks.*", sp).size() == 2);
+  CHECK(Selection::parse("residual", sp).size() == 1);  // resid_post of the last layer
+  CHECK_THROWS_WITH_AS(Selection::parse("pattern", sp), doctest::Contains("not produced by this model; it has resid_post, logits"),
+                       dmi::Error);
+  CHECK_THROWS_WITH_AS(Selection::parse("blocks.0.hook_resid_pre", sp), doctest::Contains("not produced by this model"),
+                       dmi::Error);
+  CHECK_THROWS_WITH_AS(Selection::parse("blocks.0.hook_resid_pots", sp), doctest::Contains("did you mean blocks.0.hook_resid_post"),
+                       dmi::Error);
+}
+
+TEST_CASE("hook maps: parsing and matching module paths") {
+  auto m = dmi::io::parse_hook_map(R"({"format": "dmi-hook-map", "version": 1, "hooks": [
+      {"module": "model.layers.{i}", "site": "blocks.{i}.hook_resid_post"},
+      {"module": "model.layers.{i}", "input": 0, "site": "blocks.{i}.hook_resid_pre"},
+      {"module": "model.norm", "output": 1, "site": "ln_final.hook_normalized"}]})",
+                                   "m.json");
+  REQUIRE(m.entries.size() == 3);
+  auto hits = m.match("model.layers.12");
+  REQUIRE(hits.size() == 2);
+  CHECK(hits[0].site == "blocks.12.hook_resid_post");
+  CHECK(!hits[0].entry->input);
+  CHECK(hits[1].site == "blocks.12.hook_resid_pre");
+  CHECK(hits[1].entry->input);
+  CHECK(m.match("model.layers.x").empty());
+  CHECK(m.match("model.layers.1.mlp").empty());
+  CHECK(m.match("model.layers").empty());
+  REQUIRE(m.match("model.norm").size() == 1);
+  CHECK(m.match("model.norm")[0].entry->index == 1);
+  auto bad = [](const char* text) { return dmi::io::parse_hook_map(text, "m.json"); };
+  CHECK_THROWS_WITH_AS(bad(R"({"format": "x", "version": 1, "hooks": []})"), doctest::Contains("'format'"), dmi::Error);
+  CHECK_THROWS_WITH_AS(bad(R"({"format": "dmi-hook-map", "version": 2, "hooks": []})"), doctest::Contains("'version'"),
+                       dmi::Error);
+  CHECK_THROWS_WITH_AS(bad(R"({"format": "dmi-hook-map", "version": 1, "hooks": []})"), doctest::Contains("non-empty"),
+                       dmi::Error);
+  CHECK_THROWS_WITH_AS(bad(R"({"format": "dmi-hook-map", "version": 1, "hooks": [{"module": "a", "site": "b", "outptu": 0}]})"),
+                       doctest::Contains("hooks[0]: unknown field 'outptu'"), dmi::Error);
+  CHECK_THROWS_WITH_AS(bad(R"({"format": "dmi-hook-map", "version": 1, "hooks": [{"module": "a", "site": "b", "input": 0, "output": 0}]})"),
+                       doctest::Contains("not both"), dmi::Error);
+  CHECK_THROWS_WITH_AS(bad(R"({"format": "dmi-hook-map", "version": 1, "hooks": [{"module": "a..b", "site": "hook_embed"}]})"),
+                       doctest::Contains("malformed component"), dmi::Error);
+  CHECK_THROWS_WITH_AS(bad(R"({"format": "dmi-hook-map", "version": 1, "hooks": [{"module": "a.{i}", "site": "hook_embed"}]})"),
+                       doctest::Contains("'{i}' must appear once"), dmi::Error);
 }
 
 namespace {

@@ -67,12 +67,15 @@ int main(int argc, char** argv) {
   app.footer(
       "Modes: off (no site selected), null (HookPoints + Ring², data discarded), async (Ring² + writer\n"
       "thread + HDF5, the real path), sync (each hook writes HDF5 inline), materialize (everything kept\n"
-      "in memory, written after generation). Modes are interleaved within each repeat; overhead is\n"
-      "time / time of 'off' in the same repeat; the table shows medians and the overhead's min-max.\n"
+      "in memory, written after generation); off2 (a second 'off' per repeat: the noise floor).\n"
+      "Modes are interleaved within each repeat, starting at a different mode each repeat; overhead\n"
+      "is time / time of 'off' in the same repeat; the table shows medians, the overhead's min-max and,\n"
+      "from 6 repeats on, a distribution-free 95% confidence interval of its median.\n"
       "\nExamples:\n"
       "  dmi-bench                                             # the default model, bf16, batch 1 and 8\n"
       "  dmi-bench --model build/bench-models/qwen3-0.6b-shape --batch-sizes 1,8 --hooks residual --json r.json\n"
       "  dmi-bench --hooks residual --hooks full --modes off,null,async --repeats 5\n"
+      "  dmi-bench --modes off,off2,async,sync --repeats 15       # with the noise floor\n"
       "  /usr/bin/python3 scripts/plot_bench.py r.json r.png   # overhead vs batch size per mode\n"
       "\nExit status: 0 ok, 2 bad input.");
   std::string model_dir, hook_map, dtype = "bfloat16", batches = "1,8", modes = "off,null,async,sync,materialize", json_out,
@@ -143,9 +146,9 @@ int main(int argc, char** argv) {
                model->config().architecture, dtype, threads, cfg.prompt_len, cfg.new_tokens, cfg.repeats, cfg.warmup);
     fmt::print("weights {:.1f} MB at {:.1f} GB/s read bandwidth: decode floor {:.1f} ms/step\n\n",
                model->weight_bytes() / 1e6, bw, floor_ms);
-    fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>9} {:>9} {:>15} {:>9} {:>9} {:>8} {:>8} {:>7}\n", "batch",
-               "hooks", "mode", "prefill", "decode", "TPOT", "e2e", "overhead", "(min-max)", "MB", "MB/s", "RSS MB",
-               "ring MB", "wait s");
+    fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>9} {:>9} {:>15} {:>15} {:>9} {:>9} {:>8} {:>8} {:>7}\n",
+               "batch", "hooks", "mode", "prefill", "decode", "TPOT", "e2e", "overhead", "(min-max)", "[95% CI]", "MB",
+               "MB/s", "RSS MB", "ring MB", "wait s");
     fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>9}\n", "", "", "", "tok/s", "tok/s", "ms", "tok/s");
     for (const auto& k : order) {
       const auto& g = groups[k];
@@ -169,19 +172,23 @@ int main(int argc, char** argv) {
                 {"overhead", median(ov)},
                 {"overhead_min", *std::min_element(ov.begin(), ov.end())},
                 {"overhead_max", *std::max_element(ov.begin(), ov.end())},
+                {"overhead_ci95", nullptr},
                 {"bytes_captured", med([](const auto& r) { return static_cast<double>(r.bytes); })},
                 {"bytes_per_second", mb * 1e6 / secs},
                 {"peak_rss_mb", med([](const auto& r) { return r.peak_rss_mb; })},
                 {"ring_high_water_bytes", med([](const auto& r) { return static_cast<double>(r.ring_high_water); })},
                 {"producer_wait_seconds", med([](const auto& r) { return r.producer_wait; })},
                 {"capture_finish_seconds", med([](const auto& r) { return r.capture_finish_seconds; })}};
+      const auto ci = dmi::engine::median_ci95(ov);
+      if (ci) s["overhead_ci95"] = {ci->first, ci->second};
       summary.push_back(s);
-      fmt::print("{:>5} {:<12} {:<12} {:>9.1f} {:>9.1f} {:>8.1f} {:>9.1f} {:>8.3f}x {:>15} {:>9.1f} {:>9.1f} {:>8.0f} {:>8.1f} {:>7.3f}\n",
+      fmt::print("{:>5} {:<12} {:<12} {:>9.1f} {:>9.1f} {:>8.1f} {:>9.1f} {:>8.3f}x {:>15} {:>15} {:>9.1f} {:>9.1f} {:>8.0f} {:>8.1f} {:>7.3f}\n",
                  k.batch, k.hooks.size() > 12 ? k.hooks.substr(0, 11) + "~" : k.hooks, k.mode,
                  s["prefill_tokens_per_second"].get<double>(), s["decode_tokens_per_second"].get<double>(),
                  s["time_per_output_token_ms"].get<double>(), s["end_to_end_tokens_per_second"].get<double>(),
                  s["overhead"].get<double>(),
-                 fmt::format("({:.3f}-{:.3f})", s["overhead_min"].get<double>(), s["overhead_max"].get<double>()), mb,
+                 fmt::format("({:.3f}-{:.3f})", s["overhead_min"].get<double>(), s["overhead_max"].get<double>()),
+                 ci ? fmt::format("[{:.3f}-{:.3f}]", ci->first, ci->second) : std::string("-"), mb,
                  s["bytes_per_second"].get<double>() / 1e6, s["peak_rss_mb"].get<double>(),
                  s["ring_high_water_bytes"].get<double>() / 1e6, s["producer_wait_seconds"].get<double>());
     }

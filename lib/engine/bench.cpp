@@ -3,7 +3,9 @@
 #include <ATen/ATen.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -41,6 +43,25 @@ const std::vector<std::string>& bench_modes() {
   return m;
 }
 
+std::optional<std::pair<double, double>> median_ci95(std::vector<double> v) {
+  const std::size_t n = v.size();
+  if (n < 6) return std::nullopt;
+  std::sort(v.begin(), v.end());
+  // The largest k with P(Binomial(n, 1/2) < k) <= 2.5 %: [x_(k), x_(n+1-k)]
+  // (1-based order statistics) covers the median with probability >= 95 %.
+  std::vector<double> cdf(n + 1);
+  double p = std::pow(0.5, static_cast<double>(n)), acc = 0;  // P(X = 0)
+  for (std::size_t i = 0; i <= n; ++i) {
+    acc += p;
+    cdf[i] = acc;  // P(X <= i)
+    p = p * static_cast<double>(n - i) / static_cast<double>(i + 1);
+  }
+  std::size_t k = 0;
+  while (k + 1 <= n && cdf[k] <= 0.025) ++k;  // P(X <= k-1) = P(X < k) <= 2.5 %
+  if (k == 0) return std::nullopt;
+  return std::make_pair(v[k - 1], v[n - k]);
+}
+
 double measure_read_bandwidth_gbs() {
   at::Tensor buf = at::ones({256ll << 20}, at::kFloat);  // 1 GiB
   double best = 0;
@@ -56,8 +77,8 @@ double measure_read_bandwidth_gbs() {
 std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
                                 const std::function<void(std::size_t, std::size_t, const BenchRun&)>& progress) {
   for (const auto& m : cfg.modes)
-    DMI_CHECK(std::find(bench_modes().begin(), bench_modes().end(), m) != bench_modes().end(),
-              "--modes: '{}' is not one of off, null, async, sync, materialize", m);
+    DMI_CHECK(m == "off2" || std::find(bench_modes().begin(), bench_modes().end(), m) != bench_modes().end(),
+              "--modes: '{}' is not one of off, null, async, sync, materialize (or off2)", m);
   DMI_CHECK(cfg.prompt_len >= 1 && cfg.new_tokens >= 1, "--prompt-len and --new-tokens must be at least 1");
   const auto& mc = model.config();
   DMI_CHECK(cfg.prompt_len + cfg.new_tokens <= mc.max_position_embeddings,
@@ -77,12 +98,17 @@ std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
     for (const auto& hooks : cfg.hooks) {
       std::map<int, double> off_seconds;
       for (int rep = -cfg.warmup; rep < cfg.repeats; ++rep) {
-        for (const auto& mode : cfg.modes) {
+        // Each repeat starts the modes at a different one (a rotation), so
+        // that no mode always runs first or right after a capture's cleanup.
+        const std::size_t M = cfg.modes.size();
+        for (std::size_t k = 0; k < M; ++k) {
+          const std::string& mode = cfg.modes[(k + static_cast<std::size_t>(rep + cfg.warmup)) % M];
+          const bool off = mode == "off" || mode == "off2";
           GenerateOptions o;
           o.max_new_tokens = cfg.new_tokens;
           o.batch_size = B;
           std::unique_ptr<CaptureRun> cap;
-          if (mode != "off") {
+          if (!off) {
             CaptureConfig c;
             c.hooks = hooks;
             c.output = file;

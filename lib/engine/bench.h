@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,8 +14,13 @@ namespace dmi::engine {
 
 // off: no site selected; null: HookPoints + Ring², sink discards; async:
 // Ring² + writer thread + HDF5; sync: hooks write HDF5 inline; materialize:
-// everything kept in memory, written after generation.
+// everything kept in memory, written after generation. --modes also accepts
+// off2: a second "off" run per repeat, whose overhead shows the noise floor.
 const std::vector<std::string>& bench_modes();
+
+// A distribution-free 95 % confidence interval for the median of v (order
+// statistics of the sign test); none for fewer than 6 values.
+std::optional<std::pair<double, double>> median_ci95(std::vector<double> v);
 
 struct BenchConfig {
   std::vector<std::int64_t> batch_sizes{1, 8};

@@ -48,6 +48,26 @@ for b in (1, 2):
             sys.exit(f"FAIL: modes captured different amounts: {sizes}")
 if "overhead" not in r.stdout or "materialize" not in r.stdout:
     sys.exit("FAIL: no table on stdout")
+# Modes start at a different one each repeat (a rotation).
+firsts = {}
+for run in j["runs"]:
+    firsts.setdefault((run["batch"], run["hooks"], run["repeat"]), run["mode"])
+if len({m for (b, h, rep), m in firsts.items() if b == 1 and h == "residual"}) != 2:
+    sys.exit(f"FAIL: repeats did not rotate the mode order: {firsts}")
+# off2 (the noise floor) and the confidence interval of the median from 6 repeats on.
+out2 = os.path.join(tmp, "r2.json")
+r = subprocess.run([bench, "-q", "--model", os.path.join(models, "qwen3-untied-f32"), "--dtype", "float32",
+                    "--batch-sizes", "1", "--prompt-len", "4", "--new-tokens", "2", "--modes", "off,off2,null",
+                    "--repeats", "6", "--warmup", "0", "--tmp-dir", tmp, "--json", out2],
+                   capture_output=True, text=True, timeout=300)
+if r.returncode != 0:
+    sys.exit(f"FAIL: dmi-bench --modes off,off2,null exited {r.returncode}: {r.stderr}")
+for s in json.load(open(out2))["summary"]:
+    ci = s["overhead_ci95"]
+    if not (isinstance(ci, list) and ci[0] <= s["overhead"] <= ci[1]):
+        sys.exit(f"FAIL: {s['mode']}: overhead {s['overhead']} outside its CI {ci}")
+    if s["mode"] == "off2" and s["bytes_captured"] != 0:
+        sys.exit("FAIL: off2 captured data")
 png = os.path.join(tmp, "r.png")
 p = subprocess.run(["/usr/bin/python3", os.path.join(ROOT, "scripts", "plot_bench.py"), out, png],
                    capture_output=True, text=True)

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "common/error.h"
+#include "engine/bench.h"
 #include "engine/generator.h"
 #include "model/causal_lm.h"
 #include "test_util.h"
@@ -96,4 +97,19 @@ TEST_CASE("generation: stops at EOS and at max_new_tokens; rejects bad prompts")
   auto near = g.generate({std::vector<std::int32_t>(61, 1)});
   CHECK(near[0].output_ids.size() == 3);
   CHECK(near[0].finish_reason == "context");
+}
+
+TEST_CASE("bench: distribution-free confidence interval of a median") {
+  using dmi::engine::median_ci95;
+  CHECK(!median_ci95({1, 2, 3, 4, 5}));
+  auto six = median_ci95({6, 1, 5, 2, 4, 3});
+  REQUIRE(six);
+  CHECK(six->first == 1);  // n = 6: P(X = 0) = 1/64 <= 2.5 %, so [x(1), x(6)]
+  CHECK(six->second == 6);
+  std::vector<double> v;
+  for (int i = 12; i >= 1; --i) v.push_back(i);
+  auto twelve = median_ci95(v);
+  REQUIRE(twelve);
+  CHECK(twelve->first == 3);  // n = 12: P(X <= 2) = 79/4096 <= 2.5 % < P(X <= 3), so [x(3), x(10)]
+  CHECK(twelve->second == 10);
 }

@@ -69,8 +69,8 @@ int main(int argc, char** argv) {
       "thread + HDF5, the real path), sync (each hook writes HDF5 inline), materialize (everything kept\n"
       "in memory, written after generation); off2 (a second 'off' per repeat: the noise floor).\n"
       "Modes are interleaved within each repeat, starting at a different mode each repeat; overhead\n"
-      "is time / time of 'off' in the same repeat; the table shows medians, the overhead's min-max and,\n"
-      "from 6 repeats on, a distribution-free 95% confidence interval of its median.\n"
+      "is time / time of 'off' in the same repeat, end to end and for the median decode step; the table\n"
+      "shows medians and, from 6 repeats on, distribution-free 95% confidence intervals of them.\n"
       "\nExamples:\n"
       "  dmi-bench                                             # the default model, bf16, batch 1 and 8\n"
       "  dmi-bench --model build/bench-models/qwen3-0.6b-shape --batch-sizes 1,8 --hooks residual --json r.json\n"
@@ -146,10 +146,11 @@ int main(int argc, char** argv) {
                model->config().architecture, dtype, threads, cfg.prompt_len, cfg.new_tokens, cfg.repeats, cfg.warmup);
     fmt::print("weights {:.1f} MB at {:.1f} GB/s read bandwidth: decode floor {:.1f} ms/step\n\n",
                model->weight_bytes() / 1e6, bw, floor_ms);
-    fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>9} {:>9} {:>15} {:>15} {:>9} {:>9} {:>8} {:>8} {:>7}\n",
-               "batch", "hooks", "mode", "prefill", "decode", "TPOT", "e2e", "overhead", "(min-max)", "[95% CI]", "MB",
-               "MB/s", "RSS MB", "ring MB", "wait s");
-    fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>9}\n", "", "", "", "tok/s", "tok/s", "ms", "tok/s");
+    fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>9} {:>9} {:>15} {:>9} {:>15} {:>9} {:>9} {:>8} {:>8} {:>7}\n",
+               "batch", "hooks", "mode", "prefill", "decode", "TPOT", "e2e", "overhead", "[95% CI]", "step", "[95% CI]",
+               "MB", "MB/s", "RSS MB", "ring MB", "wait s");
+    fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>9} {:>9} {:>15} {:>9}\n", "", "", "", "tok/s", "tok/s", "ms",
+               "tok/s", "(e2e)", "", "overhead");
     for (const auto& k : order) {
       const auto& g = groups[k];
       auto med = [&](auto f) {
@@ -157,8 +158,8 @@ int main(int argc, char** argv) {
         for (auto* r : g) v.push_back(f(*r));
         return median(v);
       };
-      std::vector<double> ov;
-      for (auto* r : g) ov.push_back(r->overhead);
+      std::vector<double> ov, sov;
+      for (auto* r : g) ov.push_back(r->overhead), sov.push_back(r->step_overhead);
       const double mb = med([](const auto& r) { return r.bytes / 1e6; });
       const double secs = med([](const auto& r) { return r.seconds; });
       json s = {{"batch", k.batch},
@@ -173,22 +174,25 @@ int main(int argc, char** argv) {
                 {"overhead_min", *std::min_element(ov.begin(), ov.end())},
                 {"overhead_max", *std::max_element(ov.begin(), ov.end())},
                 {"overhead_ci95", nullptr},
+                {"step_ms", med([](const auto& r) { return r.step_ms; })},
+                {"step_overhead", median(sov)},
+                {"step_overhead_ci95", nullptr},
                 {"bytes_captured", med([](const auto& r) { return static_cast<double>(r.bytes); })},
                 {"bytes_per_second", mb * 1e6 / secs},
                 {"peak_rss_mb", med([](const auto& r) { return r.peak_rss_mb; })},
                 {"ring_high_water_bytes", med([](const auto& r) { return static_cast<double>(r.ring_high_water); })},
                 {"producer_wait_seconds", med([](const auto& r) { return r.producer_wait; })},
                 {"capture_finish_seconds", med([](const auto& r) { return r.capture_finish_seconds; })}};
-      const auto ci = dmi::engine::median_ci95(ov);
+      const auto ci = dmi::engine::median_ci95(ov), sci = dmi::engine::median_ci95(sov);
       if (ci) s["overhead_ci95"] = {ci->first, ci->second};
+      if (sci) s["step_overhead_ci95"] = {sci->first, sci->second};
+      auto ci_str = [](const auto& c) { return c ? fmt::format("[{:.3f}-{:.3f}]", c->first, c->second) : std::string("-"); };
       summary.push_back(s);
-      fmt::print("{:>5} {:<12} {:<12} {:>9.1f} {:>9.1f} {:>8.1f} {:>9.1f} {:>8.3f}x {:>15} {:>15} {:>9.1f} {:>9.1f} {:>8.0f} {:>8.1f} {:>7.3f}\n",
+      fmt::print("{:>5} {:<12} {:<12} {:>9.1f} {:>9.1f} {:>8.1f} {:>9.1f} {:>8.3f}x {:>15} {:>8.3f}x {:>15} {:>9.1f} {:>9.1f} {:>8.0f} {:>8.1f} {:>7.3f}\n",
                  k.batch, k.hooks.size() > 12 ? k.hooks.substr(0, 11) + "~" : k.hooks, k.mode,
                  s["prefill_tokens_per_second"].get<double>(), s["decode_tokens_per_second"].get<double>(),
                  s["time_per_output_token_ms"].get<double>(), s["end_to_end_tokens_per_second"].get<double>(),
-                 s["overhead"].get<double>(),
-                 fmt::format("({:.3f}-{:.3f})", s["overhead_min"].get<double>(), s["overhead_max"].get<double>()),
-                 ci ? fmt::format("[{:.3f}-{:.3f}]", ci->first, ci->second) : std::string("-"), mb,
+                 s["overhead"].get<double>(), ci_str(ci), s["step_overhead"].get<double>(), ci_str(sci), mb,
                  s["bytes_per_second"].get<double>() / 1e6, s["peak_rss_mb"].get<double>(),
                  s["ring_high_water_bytes"].get<double>() / 1e6, s["producer_wait_seconds"].get<double>());
     }
@@ -204,6 +208,7 @@ int main(int argc, char** argv) {
                              {"seconds", r.seconds}, {"prefill_tokens_per_second", r.prefill_tps},
                              {"decode_tokens_per_second", r.decode_tps}, {"time_per_output_token_ms", r.tpot_ms},
                              {"end_to_end_tokens_per_second", r.e2e_tps}, {"overhead", r.overhead},
+                             {"step_ms", r.step_ms}, {"step_overhead", r.step_overhead},
                              {"bytes_captured", r.bytes}, {"records", r.records}, {"peak_rss_mb", r.peak_rss_mb},
                              {"ring_high_water_bytes", r.ring_high_water}, {"producer_wait_seconds", r.producer_wait},
                              {"capture_finish_seconds", r.capture_finish_seconds}});

@@ -96,7 +96,7 @@ std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
     for (auto& p : prompts)
       for (auto& t : p) t = tok(rng);
     for (const auto& hooks : cfg.hooks) {
-      std::map<int, double> off_seconds;
+      std::map<int, double> off_seconds, off_step_ms;
       for (int rep = -cfg.warmup; rep < cfg.repeats; ++rep) {
         // Each repeat starts the modes at a different one (a rotation), so
         // that no mode always runs first or right after a capture's cleanup.
@@ -147,15 +147,22 @@ std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
           r.ring_high_water = cr.stats.high_water_bytes;
           r.producer_wait = cr.stats.producer_wait_seconds;
           r.peak_rss_mb = peak_rss_mb();
-          if (mode == "off") off_seconds[rep] = r.seconds;
+          {
+            std::vector<double> st = t.step_seconds;
+            std::sort(st.begin(), st.end());
+            r.step_ms = st.empty() ? 0.0 : 1000.0 * st[st.size() / 2];
+          }
+          if (mode == "off") off_seconds[rep] = r.seconds, off_step_ms[rep] = r.step_ms;
           out.push_back(r);
           if (progress) progress(++done, total, r);
         }
       }
       // Overhead against "off" of the same repeat (when off was measured).
       for (auto& r : out)
-        if (r.batch == B && r.hooks == hooks && off_seconds.count(r.repeat))
+        if (r.batch == B && r.hooks == hooks && off_seconds.count(r.repeat)) {
           r.overhead = r.seconds / off_seconds[r.repeat];
+          if (off_step_ms[r.repeat] > 0) r.step_overhead = r.step_ms / off_step_ms[r.repeat];
+        }
     }
   }
   return out;

@@ -42,7 +42,9 @@ struct BenchRun {
   std::uint64_t bytes = 0, records = 0, ring_high_water = 0;
   double producer_wait = 0;
   double peak_rss_mb = 0;
+  double step_ms = 0;   // median decode step time of the run
   double overhead = 0;  // seconds / seconds of "off" in the same repeat and configuration
+  double step_overhead = 0;  // step_ms / step_ms of "off" in the same repeat and configuration
 };
 
 // Runs the sweep; progress(done, total, run) after each measured run.

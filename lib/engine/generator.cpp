@@ -112,6 +112,7 @@ void Generator::run_batch(const std::vector<std::vector<std::int32_t>>& prompts,
   at::Tensor next_ids = at::zeros({B, 1}, at::kLong);
   at::Tensor next_pos = at::zeros({B, 1}, at::kLong);
   for (std::int64_t step = 0; remaining > 0; ++step) {
+    const double step_start = now();
     at::Tensor rows = logits.select(1, 0).contiguous();  // [B, V]
     auto nid = next_ids.accessor<std::int64_t, 2>();
     auto npos = next_pos.accessor<std::int64_t, 2>();
@@ -152,6 +153,7 @@ void Generator::run_batch(const std::vector<std::vector<std::int32_t>>& prompts,
     hooks::ForwardInfo dinfo{next_pos, key_valid.narrow(1, col, 1), col, seq_ids, static_cast<std::int32_t>(step)};
     model::ForwardInput dec{next_ids, next_pos, key_valid.narrow(1, 0, col + 1), col, false, &dinfo};
     logits = model_.forward(dec, cache, opts_.observer);
+    timings_.step_seconds.push_back(now() - step_start);
   }
   timings_.decode_seconds += now() - t1;
 }

@@ -39,6 +39,7 @@ struct SequenceResult {
 struct Timings {
   std::int64_t prefill_tokens = 0, decode_tokens = 0;
   double prefill_seconds = 0, decode_seconds = 0;
+  std::vector<double> step_seconds;  // each decode step: sampling + forward
 };
 
 class Generator {

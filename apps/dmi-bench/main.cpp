@@ -146,9 +146,9 @@ int main(int argc, char** argv) {
                model->config().architecture, dtype, threads, cfg.prompt_len, cfg.new_tokens, cfg.repeats, cfg.warmup);
     fmt::print("weights {:.1f} MB at {:.1f} GB/s read bandwidth: decode floor {:.1f} ms/step\n\n",
                model->weight_bytes() / 1e6, bw, floor_ms);
-    fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>9} {:>9} {:>15} {:>9} {:>15} {:>9} {:>9} {:>8} {:>8} {:>7}\n",
+    fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>9} {:>9} {:>15} {:>9} {:>15} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7}\n",
                "batch", "hooks", "mode", "prefill", "decode", "TPOT", "e2e", "overhead", "[95% CI]", "step", "[95% CI]",
-               "MB", "MB/s", "RSS MB", "ring MB", "wait s");
+               "MB", "MB/s", "RSS MB", "ring MB", "wait s", "sink s");
     fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>9} {:>9} {:>15} {:>9}\n", "", "", "", "tok/s", "tok/s", "ms",
                "tok/s", "(e2e)", "", "overhead");
     for (const auto& k : order) {
@@ -182,19 +182,21 @@ int main(int argc, char** argv) {
                 {"peak_rss_mb", med([](const auto& r) { return r.peak_rss_mb; })},
                 {"ring_high_water_bytes", med([](const auto& r) { return static_cast<double>(r.ring_high_water); })},
                 {"producer_wait_seconds", med([](const auto& r) { return r.producer_wait; })},
+                {"sink_cpu_seconds", med([](const auto& r) { return r.sink_cpu; })},
                 {"capture_finish_seconds", med([](const auto& r) { return r.capture_finish_seconds; })}};
       const auto ci = dmi::engine::median_ci95(ov), sci = dmi::engine::median_ci95(sov);
       if (ci) s["overhead_ci95"] = {ci->first, ci->second};
       if (sci) s["step_overhead_ci95"] = {sci->first, sci->second};
       auto ci_str = [](const auto& c) { return c ? fmt::format("[{:.3f}-{:.3f}]", c->first, c->second) : std::string("-"); };
       summary.push_back(s);
-      fmt::print("{:>5} {:<12} {:<12} {:>9.1f} {:>9.1f} {:>8.1f} {:>9.1f} {:>8.3f}x {:>15} {:>8.3f}x {:>15} {:>9.1f} {:>9.1f} {:>8.0f} {:>8.1f} {:>7.3f}\n",
+      fmt::print("{:>5} {:<12} {:<12} {:>9.1f} {:>9.1f} {:>8.1f} {:>9.1f} {:>8.3f}x {:>15} {:>8.3f}x {:>15} {:>9.1f} {:>9.1f} {:>8.0f} {:>8.1f} {:>7.3f} {:>7.3f}\n",
                  k.batch, k.hooks.size() > 12 ? k.hooks.substr(0, 11) + "~" : k.hooks, k.mode,
                  s["prefill_tokens_per_second"].get<double>(), s["decode_tokens_per_second"].get<double>(),
                  s["time_per_output_token_ms"].get<double>(), s["end_to_end_tokens_per_second"].get<double>(),
                  s["overhead"].get<double>(), ci_str(ci), s["step_overhead"].get<double>(), ci_str(sci), mb,
                  s["bytes_per_second"].get<double>() / 1e6, s["peak_rss_mb"].get<double>(),
-                 s["ring_high_water_bytes"].get<double>() / 1e6, s["producer_wait_seconds"].get<double>());
+                 s["ring_high_water_bytes"].get<double>() / 1e6, s["producer_wait_seconds"].get<double>(),
+                 s["sink_cpu_seconds"].get<double>());
     }
     if (!json_out.empty()) {
       json j = {{"model", model_dir}, {"architecture", model->config().architecture}, {"dtype", dtype},
@@ -210,7 +212,7 @@ int main(int argc, char** argv) {
                              {"end_to_end_tokens_per_second", r.e2e_tps}, {"overhead", r.overhead},
                              {"step_ms", r.step_ms}, {"step_overhead", r.step_overhead},
                              {"bytes_captured", r.bytes}, {"records", r.records}, {"peak_rss_mb", r.peak_rss_mb},
-                             {"ring_high_water_bytes", r.ring_high_water}, {"producer_wait_seconds", r.producer_wait},
+                             {"ring_high_water_bytes", r.ring_high_water}, {"producer_wait_seconds", r.producer_wait}, {"sink_cpu_seconds", r.sink_cpu},
                              {"capture_finish_seconds", r.capture_finish_seconds}});
       std::ofstream f(json_out);
       DMI_CHECK(f, "{}: cannot write", json_out);

@@ -181,7 +181,8 @@ int run(const Args& a) {
                       {"records_dropped", cap->stats.records_dropped},
                       {"bytes_written", cap->stats.bytes_written},
                       {"ring_high_water_bytes", cap->stats.high_water_bytes},
-                      {"producer_wait_seconds", cap->stats.producer_wait_seconds}};
+                      {"producer_wait_seconds", cap->stats.producer_wait_seconds},
+                      {"sink_cpu_seconds", cap->stats.sink_cpu_seconds}};
     std::cout << j.dump(2) << "\n";
   } else {
     for (std::size_t i = 0; i < results.size(); ++i) {

@@ -23,7 +23,9 @@ bool SyncProducer::push(const RecordMeta& meta, const std::vector<std::int64_t>&
   if (buf_.size() < bytes) buf_.resize(bytes);
   at::Tensor dst = at::from_blob(buf_.data(), shape, at::TensorOptions().dtype(dtype));
   fill(dst);
+  const double c0 = thread_cpu_seconds();
   sink_.write(meta.stream, meta.step, meta.rows, meta.seq, meta.pos, buf_.data(), bytes);
+  stats_.sink_cpu_seconds += thread_cpu_seconds() - c0;
   ++stats_.records_written;
   stats_.bytes_written += bytes;
   return true;
@@ -43,8 +45,10 @@ bool MaterializeProducer::push(const RecordMeta& meta, const std::vector<std::in
 void MaterializeProducer::flush() {
   for (const auto& k : kept_) {
     const std::size_t bytes = k.data.numel() * k.data.element_size();
+    const double c0 = thread_cpu_seconds();
     sink_.write(k.stream, k.step, static_cast<std::uint32_t>(k.seq.size()), k.seq.data(), k.pos.data(),
                 k.data.data_ptr(), bytes);
+    stats_.sink_cpu_seconds += thread_cpu_seconds() - c0;
     ++stats_.records_written;
     stats_.bytes_written += bytes;
   }

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <ctime>
 
 #include "common/error.h"
 #include "sink/sink.h"
@@ -102,8 +103,15 @@ bool CpuRing::writer_needed() const {
          (pending > 0 && (producer_waiting_ || pending >= kWakeRecords || (head_ - tail_) * 4 >= arena_size_));
 }
 
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
 void CpuRing::writer_loop() {
   const std::size_t cap = arena_size_;
+  double sink_cpu = 0;
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     writer_waiting_ = true;
@@ -122,7 +130,9 @@ void CpuRing::writer_loop() {
         const auto* seq = reinterpret_cast<const std::int32_t*>(span);
         const auto* pos = seq + r.rows;
         const std::size_t header = round_up(2 * sizeof(std::int32_t) * r.rows);
+        const double c0 = thread_cpu_seconds();
         sink_.write(r.stream, r.step, r.rows, seq, pos, span + header, r.data_bytes);
+        sink_cpu += thread_cpu_seconds() - c0;
       } catch (...) {
         lock.lock();
         writer_error_ = std::current_exception();
@@ -134,6 +144,7 @@ void CpuRing::writer_loop() {
       tail_ = r.offset + r.bytes;
       ++stats_.records_written;
       stats_.bytes_written += r.data_bytes;
+      stats_.sink_cpu_seconds = sink_cpu;
       if (producer_waiting_) space_cv_.notify_one();
     }
   }

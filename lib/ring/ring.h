@@ -61,8 +61,14 @@ struct RingStats {
   std::uint64_t records_written = 0, records_dropped = 0, bytes_written = 0;
   std::uint64_t high_water_bytes = 0;
   double producer_wait_seconds = 0;
+  // CPU time spent inside Sink::write: on the writer thread (Ring²), on the
+  // forward thread (sync), or after generation (materialize).
+  double sink_cpu_seconds = 0;
   std::vector<std::uint64_t> dropped_per_stream;
 };
+
+// CPU time of the calling thread, in seconds.
+double thread_cpu_seconds();
 
 // The producer side seen by HookPoints.
 class Producer {

@@ -2,6 +2,7 @@
 
 #include <hdf5.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/error.h"
@@ -117,22 +118,26 @@ void write_strings(hid_t loc, const std::string& name, const std::vector<std::st
 }
 
 // An extendible [rows, ...] dataset, chunked along rows with whole rows in
-// each chunk, appended to by the writer.
+// each chunk, appended to by the writer. Appends are staged until a chunk is
+// full and then written as one chunk: without filters straight into the file
+// (H5Dwrite_chunk: no hyperslab selection, no chunk cache, no second copy),
+// with filters through one whole-chunk H5Dwrite. finish() writes the last,
+// partial chunk.
 class Table {
  public:
   Table(hid_t group, const std::string& name, hid_t type, const std::vector<std::int64_t>& row_shape,
         const Compression& comp)
-      : rank_(1 + static_cast<int>(row_shape.size())) {
+      : rank_(1 + static_cast<int>(row_shape.size())), direct_(!comp.shuffle && !comp.gzip) {
     std::vector<hsize_t> dims(rank_, 0), maxdims(rank_, H5S_UNLIMITED), chunk(rank_);
-    std::size_t row_bytes = H5Tget_size(type);
+    row_bytes_ = H5Tget_size(type);
     for (std::size_t i = 0; i < row_shape.size(); ++i) {
       dims[i + 1] = maxdims[i + 1] = chunk[i + 1] = static_cast<hsize_t>(row_shape[i]);
-      row_bytes *= static_cast<std::size_t>(row_shape[i]);
+      row_bytes_ *= static_cast<std::size_t>(row_shape[i]);
     }
-    // ~128 KiB chunks of whole rows: an append touches one or two chunks,
-    // which the default 1 MiB chunk cache holds, and a small capture does not
-    // pay for large, mostly empty chunks.
-    chunk[0] = static_cast<hsize_t>(std::clamp<std::size_t>((128u << 10) / std::max<std::size_t>(row_bytes, 1), 1, 8192));
+    // ~128 KiB chunks of whole rows: a small capture does not pay for large,
+    // mostly empty chunks, and a reader of a few rows reads little.
+    chunk[0] = static_cast<hsize_t>(std::clamp<std::size_t>((128u << 10) / std::max<std::size_t>(row_bytes_, 1), 1, 8192));
+    chunk_rows_ = chunk[0];
     row_dims_.assign(dims.begin() + 1, dims.end());
     hid_t space = H5Screate_simple(rank_, dims.data(), maxdims.data());
     hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
@@ -153,13 +158,58 @@ class Table {
   Table& operator=(const Table&) = delete;
 
   void append(const void* data, hsize_t rows) {
-    if (rows == 0) return;
-    std::vector<hsize_t> dims(rank_), start(rank_, 0), count(rank_);
-    dims[0] = rows_ + rows;
+    const auto* p = static_cast<const std::uint8_t*>(data);
+    while (rows > 0) {
+      if (staged_ == 0 && rows >= chunk_rows_) {  // whole chunks straight from the caller's buffer
+        write_chunk(p);
+        p += chunk_rows_ * row_bytes_;
+        rows -= chunk_rows_;
+        continue;
+      }
+      if (stage_.empty()) stage_.resize(chunk_rows_ * row_bytes_);
+      const hsize_t n = std::min(rows, chunk_rows_ - staged_);
+      std::memcpy(stage_.data() + staged_ * row_bytes_, p, n * row_bytes_);
+      staged_ += n;
+      p += n * row_bytes_;
+      rows -= n;
+      if (staged_ == chunk_rows_) {
+        write_chunk(stage_.data());
+        staged_ = 0;
+      }
+    }
+  }
+
+  // Writes the staged rows (the last chunk, partly filled).
+  void finish() {
+    if (staged_ == 0) return;
+    write_rows(stage_.data(), staged_);
+    staged_ = 0;
+  }
+
+ private:
+  void extend(hsize_t rows) {
+    std::vector<hsize_t> dims(rank_);
+    dims[0] = rows;
+    for (int i = 1; i < rank_; ++i) dims[i] = row_dims_[i - 1];
+    H5_CHECK(H5Dset_extent(id_, dims.data()), "cannot extend a capture dataset (disk full?)");
+  }
+
+  void write_chunk(const void* data) {
+    if (!direct_) return write_rows(data, chunk_rows_);
+    extend(rows_ + chunk_rows_);
+    std::vector<hsize_t> offset(rank_, 0);
+    offset[0] = rows_;
+    H5_CHECK(H5Dwrite_chunk(id_, H5P_DEFAULT, 0, offset.data(), chunk_rows_ * row_bytes_, data),
+             "cannot write to the capture file (disk full?)");
+    rows_ += chunk_rows_;
+  }
+
+  void write_rows(const void* data, hsize_t rows) {
+    std::vector<hsize_t> start(rank_, 0), count(rank_);
     count[0] = rows;
     start[0] = rows_;
-    for (int i = 1; i < rank_; ++i) dims[i] = count[i] = row_dims_[i - 1];
-    H5_CHECK(H5Dset_extent(id_, dims.data()), "cannot extend a capture dataset (disk full?)");
+    for (int i = 1; i < rank_; ++i) count[i] = row_dims_[i - 1];
+    extend(rows_ + rows);
     hid_t fspace = H5Dget_space(id_);
     H5Sselect_hyperslab(fspace, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr);
     hid_t mspace = H5Screate_simple(rank_, count.data(), nullptr);
@@ -170,11 +220,15 @@ class Table {
     rows_ += rows;
   }
 
- private:
   int rank_;
+  bool direct_;
   std::vector<hsize_t> row_dims_;
+  std::size_t row_bytes_ = 0;
+  hsize_t chunk_rows_ = 1;
   hid_t id_ = -1, type_ = -1;
-  hsize_t rows_ = 0;
+  hsize_t rows_ = 0;    // rows in the file
+  hsize_t staged_ = 0;  // rows in stage_
+  std::vector<std::uint8_t> stage_;
 };
 
 struct Stream {
@@ -273,6 +327,9 @@ class Hdf5Sink final : public Sink {
   }
 
   void close(const Finish& f) override {
+    for (auto& s : streams_)
+      for (Table* t : {s->data.get(), s->seq.get(), s->pos.get(), s->ids.get()})
+        if (t) t->finish();
     hid_t g = H5Gcreate2(file_, "sequences", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
     DMI_CHECK(g >= 0, "{}: cannot create /sequences", path_);
     std::vector<std::int32_t> tokens, prompt_lengths;

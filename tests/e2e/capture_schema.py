@@ -55,11 +55,17 @@ def describe(f):
 
 
 tmp = tempfile.mkdtemp()
-runs = [("qwen3-qknorm-bf16-misaligned", ["--hooks", "full", "--logits", "topk:5"]),
+# A TorchScript export too (architecture "TorchScript/...", model_path a .pt file).
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import dmi_torchscript  # noqa: E402
+ts_model = os.path.join(tmp, "llama.pt")
+dmi_torchscript.export(os.path.join(models, "llama-gqa-f32"), ts_model)
+runs = [(ts_model, ["--hooks", "resid_post,pattern,logits", "--logits", "topk:3"]),
+        ("qwen3-qknorm-bf16-misaligned", ["--hooks", "full", "--logits", "topk:5"]),
         ("llama-gqa-f32", ["--hooks", "residual,kv", "--capture-dtype", "bfloat16", "--compression", "shuffle+gzip:4"]),
         ("mistral-window-bf16-sharded", ["--hooks", "hf-hidden-states,pattern", "--capture-dtype", "float16"])]
 for model, extra in runs:
-    out = os.path.join(tmp, model + ".h5")
+    out = os.path.join(tmp, os.path.basename(model) + ".h5")
     r = subprocess.run([dmi_run, "-q", "--model", os.path.join(models, model), "--prompt", "LOVE, n.",
                         "--prompt", "WAR", "-b", "2", "-n", "4", "-o", out] + extra, capture_output=True, text=True)
     if r.returncode != 0:
@@ -76,5 +82,5 @@ for model, extra in runs:
         off = f["sequences/offsets"][:]
         if off[0] != 0 or off[-1] != f["sequences/tokens"].shape[0]:
             sys.exit("FAIL: offsets")
-    print(f"{model} {' '.join(extra)}: valid ({len(doc['sites'])} sites)")
+    print(f"{os.path.basename(model)} {' '.join(extra)}: valid ({len(doc['sites'])} sites)")
 print("ok")

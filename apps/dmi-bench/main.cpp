@@ -111,6 +111,7 @@ int main(int argc, char** argv) {
     cfg.modes = split(modes);
     cfg.hooks = hooks.empty() ? std::vector<std::string>{"residual"} : hooks;
     cfg.tmp_dir = tmp_dir;
+    dmi::engine::validate_bench_config(cfg);  // before the (slow) model load
     if (model_dir.empty())
       model_dir = std::getenv("DMI_DEFAULT_MODEL") ? std::getenv("DMI_DEFAULT_MODEL")
                                                    : std::string(DMI_SOURCE_DIR) + "/data/default-model";

@@ -74,12 +74,17 @@ double measure_read_bandwidth_gbs() {
   return best;
 }
 
-std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
-                                const std::function<void(std::size_t, std::size_t, const BenchRun&)>& progress) {
+void validate_bench_config(const BenchConfig& cfg) {
+  DMI_CHECK(!cfg.modes.empty(), "--modes selects no mode");
   for (const auto& m : cfg.modes)
     DMI_CHECK(m == "off2" || std::find(bench_modes().begin(), bench_modes().end(), m) != bench_modes().end(),
               "--modes: '{}' is not one of off, null, async, sync, materialize (or off2)", m);
   DMI_CHECK(cfg.prompt_len >= 1 && cfg.new_tokens >= 1, "--prompt-len and --new-tokens must be at least 1");
+}
+
+std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
+                                const std::function<void(std::size_t, std::size_t, const BenchRun&)>& progress) {
+  validate_bench_config(cfg);
   const auto& mc = model.config();
   DMI_CHECK(cfg.prompt_len + cfg.new_tokens <= mc.max_position_embeddings,
             "--prompt-len + --new-tokens = {} exceeds the model's context {}", cfg.prompt_len + cfg.new_tokens,

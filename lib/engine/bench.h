@@ -48,6 +48,9 @@ struct BenchRun {
   double step_overhead = 0;  // step_ms / step_ms of "off" in the same repeat and configuration
 };
 
+// Checks what needs no model (modes, lengths); throws dmi::Error naming the flag.
+void validate_bench_config(const BenchConfig& cfg);
+
 // Runs the sweep; progress(done, total, run) after each measured run.
 std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
                                 const std::function<void(std::size_t, std::size_t, const BenchRun&)>& progress);

@@ -242,7 +242,8 @@ elif case == "sigint":
     out = os.path.join(tmp, "int.h5")
     dm = os.path.join(ROOT, "data", "default-model")
     args = [dmi_run, "-q", "--model", dm, "-n", "400", "--ignore-eos", "--batch-size", "4", "--hooks", "full",
-            "-o", out] + sum([["--prompt", p] for p in ["LOVE, n.", "WAR, n.", "A", "THE"]], [])
+            "-o", out] + sum([["--prompt", p] for p in ["LOVE, n.", "WAR, n.", "A", "THE"] * 16], [])
+    # 16 batches of 400 tokens: far longer than the 0.3 s before the signal, on any machine
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for _ in range(600):
         if os.path.exists(out) or p.poll() is not None:
@@ -260,7 +261,8 @@ elif case == "sigint":
     if "interrupted" not in reasons:
         fail(f"finish reasons {reasons}")
     n = len(f["sites/blocks.0.hook_resid_post/seq"])
-    print(f"interrupted file readable: {n} rows of blocks.0.hook_resid_post, reasons {reasons}")
+    counts = {r: reasons.count(r) for r in sorted(set(reasons))}
+    print(f"interrupted file readable: {n} rows of blocks.0.hook_resid_post, finish reasons {counts}")
 else:
     fail(f"unknown case {case}")
 print("ok")

@@ -19,6 +19,7 @@ import torch
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import dmi_reference as ref  # noqa: E402
+from capture_util import rel_err, rows_by_key  # noqa: E402
 
 dmi_run, models, case = sys.argv[1], sys.argv[2], sys.argv[3]
 model_name = sys.argv[4] if len(sys.argv) > 4 else "qwen3-qknorm-bf16-misaligned"
@@ -43,22 +44,6 @@ def run(out, *extra, prompts=PROMPTS, batch=4, expect_rc=0, model=MODEL):
     return json.loads(r.stdout) if r.stdout else None
 
 
-def rows_by_key(f, site):
-    g = f["sites"][site]
-    seq, pos = g["seq"][:], g["pos"][:]
-    data = g["data"][:].astype(np.float32)
-    return {(int(s), int(p)): data[i] for i, (s, p) in enumerate(zip(seq, pos))}
-
-
-def rel_err(a, b):
-    """max |a - b| / max |b| over finite entries; inf patterns must agree."""
-    fa, fb = np.isfinite(a), np.isfinite(b)
-    if not np.array_equal(fa, fb) or not np.array_equal(a[~fa], b[~fb]):
-        return float("inf")
-    if not fa.any():
-        return 0.0
-    scale = max(np.abs(b[fb]).max(), 1e-30)
-    return float(np.abs(a[fa] - b[fb]).max() / scale)
 
 
 def reference_sites(tokens, n_fed):

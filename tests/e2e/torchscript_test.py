@@ -23,6 +23,7 @@ import torch
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import dmi_torchscript as dts  # noqa: E402
+from capture_util import rel_err, rows_by_key as rows  # noqa: E402
 
 dmi_run, models, case = sys.argv[1], sys.argv[2], sys.argv[3]
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 11, 64, 128, 1, 33], [9, 8, 7], [200], [60, 61, 62, 63, 64, 65, 66]]
@@ -48,19 +49,6 @@ def run(model, out=None, *extra, expect_rc=0):
     return r
 
 
-def rows(f, site):
-    g = f["sites"][site]
-    data = g["data"][:].astype(np.float32)
-    return {(int(s), int(p)): data[i] for i, (s, p) in enumerate(zip(g["seq"][:], g["pos"][:]))}
-
-
-def rel_err(a, b):
-    fa, fb = np.isfinite(a), np.isfinite(b)
-    if not np.array_equal(fa, fb) or not np.array_equal(a[~fa], b[~fb]):
-        return float("inf")
-    if not fa.any():
-        return 0.0
-    return float(np.abs(a[fa] - b[fb]).max() / max(np.abs(b[fb]).max(), 1e-30))
 
 
 def compare(native_h5, ts_h5, sites, bound=1e-5):

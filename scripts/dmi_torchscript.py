@@ -16,6 +16,12 @@ The module follows dmi's TorchScript calling convention (docs/torchscript.md):
         -> logits Tensor[B, L, vocab]
 
 recomputing the whole sequence each call; attention_mask is 0 at left padding.
+It also has dmi's KV-cache method (unless --no-kv-cache)
+
+    forward_step(input_ids: Tensor[B, T], attention_mask: Tensor[B, S + T], cache: List[Tensor])
+        -> (logits Tensor[B, T, vocab], List[Tensor])
+
+which dmi-run uses when present: one new token per decode step.
 With hooks (the default) every TransformerLens site calls
 torch.ops.dmi.hook(x, "blocks.3.hook_resid_post"), an identity that dmi-run
 captures from. --no-hooks exports the same network with no hook calls at all
@@ -31,7 +37,7 @@ import json
 import os
 import shutil
 import sys
-from typing import List
+from typing import List, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -123,26 +129,31 @@ class Attention(nn.Module):
         self.hook_attn_scores, self.hook_pattern = Hook(a + "hook_attn_scores"), Hook(a + "hook_pattern")
         self.hook_z = Hook(a + "hook_z")
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor) -> Tensor:
-        B, L = x.shape[0], x.shape[1]
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor, past_k: Tensor,
+                past_v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """x: the T new tokens [B, T, d]; past_k/past_v: [B, S, kv, D] (rotated keys, values) of the
+        tokens before them; allowed: [B, T, S + T]. Returns the output and the keys/values of all S + T."""
+        B, T = x.shape[0], x.shape[1]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        q = self.hook_q(self.q_proj(x).view(B, L, H, D))
-        k = self.hook_k(self.k_proj(x).view(B, L, KV, D))
-        v = self.hook_v(self.v_proj(x).view(B, L, KV, D))
+        q = self.hook_q(self.q_proj(x).view(B, T, H, D))
+        k = self.hook_k(self.k_proj(x).view(B, T, KV, D))
+        v = self.hook_v(self.v_proj(x).view(B, T, KV, D))
         if self.qk_norm:
             q = self.hook_q_norm(self.q_norm(q))
             k = self.hook_k_norm(self.k_norm(k))
         c, s = cos[:, :, None, :], sin[:, :, None, :]
         q = self.hook_rot_q(q * c + rotate_half(q) * s)
         k = self.hook_rot_k(k * c + rotate_half(k) * s)
+        k_all = torch.cat((past_k, k), dim=1)
+        v_all = torch.cat((past_v, v), dim=1)
         rep = H // KV
-        kk = k.repeat_interleave(rep, dim=2).transpose(1, 2)  # [B, H, L, D]
-        vv = v.repeat_interleave(rep, dim=2).transpose(1, 2)
-        scores = torch.matmul(q.transpose(1, 2), kk.transpose(2, 3)) * (D ** -0.5)  # [B, H, L, L]
+        kk = k_all.repeat_interleave(rep, dim=2).transpose(1, 2)  # [B, H, S + T, D]
+        vv = v_all.repeat_interleave(rep, dim=2).transpose(1, 2)
+        scores = torch.matmul(q.transpose(1, 2), kk.transpose(2, 3)) * (D ** -0.5)  # [B, H, T, S + T]
         scores = self.hook_attn_scores(scores.masked_fill(~allowed[:, None, :, :], float("-inf")))
         pattern = self.hook_pattern(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype))
-        z = self.hook_z(torch.matmul(pattern, vv).transpose(1, 2))  # [B, L, H, D]
-        return self.o_proj(z.reshape(B, L, H * D))
+        z = self.hook_z(torch.matmul(pattern, vv).transpose(1, 2))  # [B, T, H, D]
+        return self.o_proj(z.reshape(B, T, H * D)), k_all, v_all
 
 
 class MLP(nn.Module):
@@ -174,12 +185,13 @@ class DecoderLayer(nn.Module):
         self.hook_ln2, self.hook_mlp_out = Hook(p + "ln2.hook_normalized"), Hook(p + "hook_mlp_out")
         self.hook_resid_post = Hook(p + "hook_resid_post")
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor, past_k: Tensor,
+                past_v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         x = self.hook_resid_pre(x)
-        a = self.hook_attn_out(self.self_attn(self.hook_ln1(self.input_layernorm(x)), cos, sin, allowed))
-        x = self.hook_resid_mid(x + a)
+        a, k, v = self.self_attn(self.hook_ln1(self.input_layernorm(x)), cos, sin, allowed, past_k, past_v)
+        x = self.hook_resid_mid(x + self.hook_attn_out(a))
         m = self.hook_mlp_out(self.mlp(self.hook_ln2(self.post_attention_layernorm(x))))
-        return self.hook_resid_post(x + m)
+        return self.hook_resid_post(x + m), k, v
 
 
 class Body(nn.Module):
@@ -192,6 +204,8 @@ class Body(nn.Module):
 
 class CausalLM(nn.Module):
     window: int
+    n_kv: int
+    head_dim: int
 
     def __init__(self, c, Hook):
         super().__init__()
@@ -200,27 +214,49 @@ class CausalLM(nn.Module):
         # A plain tensor attribute (not a buffer): Module.to(dtype) leaves it float32.
         self.inv_freq = ref.inv_freq(c).float()
         self.window = c.sliding_window if c.sliding_window is not None else 0
+        self.n_kv, self.head_dim = c.n_kv, c.head_dim
         self.hook_embed, self.hook_ln_final = Hook("hook_embed"), Hook("ln_final.hook_normalized")
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """The whole (left-padded) sequence: logits [B, L, vocab]."""
+        no_cache: List[Tensor] = []
+        return self.forward_step(input_ids, attention_mask, no_cache)[0]
+
+    @torch.jit.export
+    def forward_step(self, input_ids: Tensor, attention_mask: Tensor,
+                     cache: List[Tensor]) -> Tuple[Tensor, List[Tensor]]:
+        """dmi's KV-cache convention: input_ids [B, T] are the tokens after the S that `cache` holds
+        (empty list: none), attention_mask [B, S + T] covers all of them. Returns the logits of the T new
+        tokens and the cache to pass with the next tokens."""
         dtype = self.lm_head.weight.dtype
-        L = input_ids.shape[1]
+        B, T = input_ids.shape[0], input_ids.shape[1]
+        S = attention_mask.shape[1] - T
         valid = attention_mask != 0
-        pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # position within each (left-padded) sequence
+        # Position within each (left-padded) sequence, as Hugging Face's generate computes it.
+        pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, S:]
         freqs = pos[:, :, None].float() * self.inv_freq[None, None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        i = torch.arange(L, device=input_ids.device)
-        allowed = (i[None, :] <= i[:, None])[None, :, :] & valid[:, None, :]
+        qcol = torch.arange(S, S + T, device=input_ids.device)[:, None]
+        kcol = torch.arange(S + T, device=input_ids.device)[None, :]
+        allowed = (kcol <= qcol)[None, :, :] & valid[:, None, :]
         if self.window > 0:
-            allowed = allowed & (i[None, :] > i[:, None] - self.window)[None, :, :]
+            allowed = allowed & (kcol > qcol - self.window)[None, :, :]
         # Padding queries attend to themselves so that no row is all -inf.
-        allowed = allowed | torch.eye(L, dtype=torch.bool, device=input_ids.device)[None, :, :]
+        allowed = allowed | (kcol == qcol)[None, :, :]
         x = self.hook_embed(self.model.embed_tokens(input_ids))
+        empty = x.new_zeros([B, 0, self.n_kv, self.head_dim])
+        out: List[Tensor] = []
+        i = 0
         for layer in self.model.layers:
-            x = layer(x, cos, sin, allowed)
+            past_k = cache[2 * i] if len(cache) > 0 else empty
+            past_v = cache[2 * i + 1] if len(cache) > 0 else empty
+            x, k, v = layer(x, cos, sin, allowed, past_k, past_v)
+            out.append(k)
+            out.append(v)
+            i += 1
         x = self.hook_ln_final(self.model.norm(x))
-        return self.lm_head(x).float()
+        return self.lm_head(x).float(), out
 
 
 def build(model_dir, hooks=True):

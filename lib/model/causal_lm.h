@@ -19,9 +19,11 @@ namespace dmi::model {
 // processed at cache column c (prompts are left-padded to a common column).
 struct KVCache {
   std::vector<at::Tensor> k, v;
-  // Models without a cache (TorchScript, full recomputation) keep the token
-  // ids of every column here instead: [B, capacity] int64.
+  // TorchScript models: the token ids of every column when each step
+  // recomputes the whole sequence ([B, capacity] int64), or the module's own
+  // cache list (forward_step) in state.
   at::Tensor tokens;
+  std::vector<at::Tensor> state;
   std::int64_t capacity = 0;
 };
 

@@ -51,7 +51,9 @@ struct HookContext {
   const std::unordered_map<std::string, SiteInfo>* sites = nullptr;
   hooks::Observer* observer = nullptr;
   const hooks::ForwardInfo* info = nullptr;
-  std::int64_t B = 0, L = 0, start = 0, T = 0;
+  // Hook tensors are [B, Lq, ...] (attention: [B, H, Lq, Lk]); the rows of
+  // this call's T new tokens start at query row q_start.
+  std::int64_t B = 0, Lq = 0, Lk = 0, q_start = 0, T = 0;
   std::exception_ptr error;  // a dmi::Error raised inside the graph
 };
 
@@ -59,8 +61,8 @@ thread_local HookContext* t_context = nullptr;
 
 void check_rows(const std::string& name, const SiteInfo& s, const at::Tensor& x, const HookContext& c) {
   std::vector<std::int64_t> want{c.B};
-  if (attention_site(s.site)) want.insert(want.end(), {s.row[0], c.L, c.L});
-  else want.push_back(c.L), want.insert(want.end(), s.row.begin(), s.row.end());
+  if (attention_site(s.site)) want.insert(want.end(), {s.row[0], c.Lq, c.Lk});
+  else want.push_back(c.Lq), want.insert(want.end(), s.row.begin(), s.row.end());
   DMI_CHECK(x.sizes().vec() == want, "dmi::hook '{}': got a tensor of shape {}, expected {}", name,
             shape_str(x.sizes()), shape_str(want));
 }
@@ -80,9 +82,8 @@ at::Tensor hook_op(at::Tensor x, std::string name) {
     // unembed.hook_out is forward's return value, observed by the caller.
     if (s.site == Site::logits || !c->observer->wants(s.site, s.layer)) return x;
     check_rows(name, s, x, *c);
-    // The full-sequence tensor; the observer wants the rows of this call's
-    // new tokens (cache columns start .. start + T).
-    c->observer->observe(s.site, s.layer, x.narrow(attention_site(s.site) ? 2 : 1, c->start, c->T), *c->info);
+    // The observer wants the rows of this call's new tokens.
+    c->observer->observe(s.site, s.layer, x.narrow(attention_site(s.site) ? 2 : 1, c->q_start, c->T), *c->info);
   } catch (...) {
     if (!c->error) c->error = std::current_exception();
     throw std::runtime_error("dmi::hook failed");
@@ -124,19 +125,18 @@ jit::Value* insert_hook(jit::Graph& g, jit::Value* x, const std::string& site) {
 
 bool is_tensor(const c10::TypePtr& t) { return t->isSubtypeOf(*c10::TensorType::get()); }
 
-// Returns the sites inserted, in graph order.
-std::vector<std::string> instrument(jit::Module& module, const io::HookMap& map, const std::string& path) {
-  auto& forward = jit::toGraphFunction(module.get_method("forward").function());
-  std::shared_ptr<jit::Graph> g = forward.graph();
+// Instruments one root method; used[e] counts the call sites of entry e.
+void instrument_method(jit::Module& module, const std::string& root, const io::HookMap& map,
+                       std::vector<std::size_t>& used) {
+  auto& fn = jit::toGraphFunction(module.get_method(root).function());
+  std::shared_ptr<jit::Graph> g = fn.graph();
   jit::Value* self = g->inputs().at(0);
-  std::vector<std::string> inserted;
-  std::vector<std::size_t> used(map.entries.size(), 0);
   for (;;) {
     auto calls = jit::findAllNodes(*g, c10::prim::CallMethod, /*recurse=*/true);
     if (calls.empty()) break;
     jit::Node* n = calls.front();
     auto cls = n->input(0)->type()->cast<c10::ClassType>();
-    DMI_CHECK(cls, "{}: cannot inline a method call on a non-module value", path);
+    DMI_CHECK(cls, "{}: cannot inline a method call on a non-module value in {}", map.path, root);
     const std::string method = n->s(c10::attr::name);
     auto& callee = jit::toGraphFunction(cls->getMethod(method));
     const std::optional<std::string> path_of_module = module_path(n->input(0), self);
@@ -153,7 +153,6 @@ std::vector<std::string> instrument(jit::Module& module, const io::HookMap& map,
                 m.entry->index, mod, n->input(arg)->type()->str());
       jit::WithInsertPoint guard(n);
       n->replaceInput(arg, insert_hook(*g, n->input(arg), m.site));
-      inserted.push_back(m.site);
     }
     // The graph as written (optimized_graph() would have its calls inlined already).
     std::vector<jit::Value*> outs = jit::inlineCallTo(n, &callee, callee.graph().get());
@@ -178,9 +177,15 @@ std::vector<std::string> instrument(jit::Module& module, const io::HookMap& map,
         jit::WithInsertPoint guard(tuple);
         tuple->replaceInput(k, insert_hook(*g, tuple->input(k), m.site));
       }
-      inserted.push_back(m.site);
     }
   }
+}
+
+// Instruments forward and, when present, forward_step.
+void instrument(jit::Module& module, const io::HookMap& map, const std::string& path) {
+  std::vector<std::size_t> used(map.entries.size(), 0);
+  for (const char* root : {"forward", "forward_step"})
+    if (module.find_method(root)) instrument_method(module, root, map, used);
   for (std::size_t e = 0; e < map.entries.size(); ++e) {
     if (used[e] > 0) continue;
     std::vector<std::string> names;
@@ -189,7 +194,6 @@ std::vector<std::string> instrument(jit::Module& module, const io::HookMap& map,
     DMI_FAIL("{}: module '{}' (hooks[{}]) is not called by {}'s forward; its submodules include {}", map.path,
              map.entries[e].module, e, path, fmt::join(names, ", "));
   }
-  return inserted;
 }
 
 // ---------------------------------------------------------------------------
@@ -234,33 +238,40 @@ class TorchScriptLM final : public CausalLM {
   KVCache new_cache(std::int64_t batch, std::int64_t capacity) const override {
     KVCache c;
     c.capacity = capacity;
-    c.tokens = at::zeros({batch, capacity}, at::kLong);
+    if (!cached_) c.tokens = at::zeros({batch, capacity}, at::kLong);  // forward_step keeps its own cache in state
     return c;
   }
 
   at::Tensor forward(const ForwardInput& in, KVCache& cache, hooks::Observer* obs) override {
     c10::InferenceMode inference;
     const std::int64_t B = in.ids.size(0), T = in.ids.size(1), L = in.start + T;
-    DMI_CHECK(cache.tokens.defined() && cache.tokens.size(0) == B && L <= cache.capacity,
+    DMI_CHECK(L <= cache.capacity && (cached_ || (cache.tokens.defined() && cache.tokens.size(0) == B)),
               "forward: cache of {} columns cannot hold {} tokens", cache.capacity, L);
     DMI_CHECK(in.key_valid.size(0) == B && in.key_valid.size(1) == L, "key_valid must be [B, start + T]");
 #ifdef DMI_NO_HOOKS
     DMI_CHECK(!obs, "this build has hooks compiled out (DMI_HOOKS=OFF)");
 #endif
     DMI_CHECK(!obs || in.info, "forward: an observer needs ForwardInput::info");
-    cache.tokens.narrow(1, in.start, T).copy_(in.ids);
-    at::Tensor ids = cache.tokens.narrow(1, 0, L).contiguous();
     at::Tensor mask = in.key_valid.to(at::kLong);
     if (obs) obs->begin_forward(*in.info);
     HookContext ctx;
     ctx.sites = &sites_;
     ctx.observer = obs;
     ctx.info = in.info;
-    ctx.B = B, ctx.L = L, ctx.start = in.start, ctx.T = T;
-    at::Tensor logits = run(ctx, ids, mask);
-    at::Tensor rows = logits.narrow(1, in.start, T);
+    ctx.B = B, ctx.Lk = L, ctx.T = T;
+    at::Tensor rows;
+    if (cached_) {
+      // forward_step: the T new tokens, with the module's own cache.
+      ctx.Lq = T, ctx.q_start = 0;
+      rows = run_step(ctx, in.ids, mask, cache.state);
+    } else {
+      // forward: the whole sequence again; the new tokens are its last T.
+      ctx.Lq = L, ctx.q_start = in.start;
+      cache.tokens.narrow(1, in.start, T).copy_(in.ids);
+      rows = run(ctx, cache.tokens.narrow(1, 0, L).contiguous(), mask).narrow(1, in.start, T);
+    }
     if (obs && obs->wants(Site::logits, -1)) obs->observe(Site::logits, -1, rows, *in.info);
-    return (in.all_logits ? rows : logits.narrow(1, L - 1, 1)).to(at::kFloat).contiguous();
+    return (in.all_logits ? rows : rows.narrow(1, T - 1, 1)).to(at::kFloat).contiguous();
   }
 
  private:
@@ -277,6 +288,26 @@ class TorchScriptLM final : public CausalLM {
               "{}: forward must be forward(input_ids: Tensor, attention_mask: Tensor) -> Tensor (see "
               "docs/torchscript.md); this module has {}",
               path_, found.str());
+    // The optional KV-cache method.
+    auto step = module_.find_method("forward_step");
+    if (!step) return;
+    const c10::FunctionSchema& st = step->function().getSchema();
+    const auto& sa = st.arguments();
+    const auto tensor_list = c10::ListType::ofTensors();
+    bool step_ok = sa.size() == 4 && is_tensor(sa[1].type()) && is_tensor(sa[2].type()) &&
+                   sa[3].type()->isSubtypeOf(*tensor_list) && st.returns().size() == 1;
+    if (step_ok) {
+      auto tuple = st.returns()[0].type()->cast<c10::TupleType>();
+      step_ok = tuple && tuple->elements().size() == 2 && is_tensor(tuple->elements()[0]) &&
+                tuple->elements()[1]->isSubtypeOf(*tensor_list);
+    }
+    std::ostringstream step_found;
+    step_found << st;
+    DMI_CHECK(step_ok,
+              "{}: forward_step must be forward_step(input_ids: Tensor, attention_mask: Tensor, cache: List[Tensor]) "
+              "-> Tuple[Tensor, List[Tensor]] (see docs/torchscript.md); this module has {}",
+              path_, step_found.str());
+    cached_ = true;
   }
 
   io::ModelConfig read_config(const std::string& inside) {
@@ -293,26 +324,47 @@ class TorchScriptLM final : public CausalLM {
     return io::parse_generic_config(ss.str(), next);
   }
 
-  // Runs forward with ctx installed; errors become dmi::Error naming the file.
-  at::Tensor run(HookContext& ctx, const at::Tensor& ids, const at::Tensor& mask) {
+  // Calls `method` with ctx installed; errors become dmi::Error naming the file.
+  c10::IValue call(const char* method, HookContext& ctx, std::vector<c10::IValue> args) {
     c10::IValue out;
     t_context = &ctx;
     try {
-      out = module_.forward({ids, mask});
+      out = module_.get_method(method)(std::move(args));
     } catch (const std::exception& e) {
       t_context = nullptr;
       if (ctx.error) std::rethrow_exception(ctx.error);
       const auto* c10e = dynamic_cast<const c10::Error*>(&e);
-      DMI_FAIL("{}: forward failed: {}", path_, first_line(c10e ? c10e->what_without_backtrace() : e.what()));
+      DMI_FAIL("{}: {} failed: {}", path_, method, first_line(c10e ? c10e->what_without_backtrace() : e.what()));
     }
     t_context = nullptr;
+    return out;
+  }
+
+  // forward(ids, mask): logits of every position, checked.
+  at::Tensor run(HookContext& ctx, const at::Tensor& ids, const at::Tensor& mask) {
+    c10::IValue out = call("forward", ctx, {ids, mask});
     DMI_CHECK(out.isTensor(), "{}: forward returned a {}, not a Tensor of logits", path_, out.tagKind());
-    at::Tensor logits = out.toTensor();
+    return check_logits(out.toTensor(), ids, "forward");
+  }
+
+  // forward_step(ids, mask, cache): logits of the new tokens; replaces cache.
+  at::Tensor run_step(HookContext& ctx, const at::Tensor& ids, const at::Tensor& mask,
+                      std::vector<at::Tensor>& cache) {
+    c10::List<at::Tensor> past;
+    for (const auto& t : cache) past.push_back(t);
+    c10::IValue out = call("forward_step", ctx, {ids, mask, past});
+    auto tuple = out.toTuple();
+    cache.clear();
+    for (const at::Tensor& t : tuple->elements()[1].toTensorList()) cache.push_back(t);
+    return check_logits(tuple->elements()[0].toTensor(), ids, "forward_step");
+  }
+
+  at::Tensor check_logits(at::Tensor logits, const at::Tensor& ids, const char* method) {
     const std::int64_t V = cfg_.vocab_size;
     DMI_CHECK(logits.dim() == 3 && logits.size(0) == ids.size(0) && logits.size(1) == ids.size(1) &&
                   (V == 0 || logits.size(2) == V) && at::isFloatingType(logits.scalar_type()),
-              "{}: forward returned {} logits of shape {}; expected floating-point [batch {}, length {}, vocab{}]",
-              path_, c10::toString(logits.scalar_type()), shape_str(logits.sizes()), ids.size(0), ids.size(1),
+              "{}: {} returned {} logits of shape {}; expected floating-point [batch {}, length {}, vocab{}]",
+              path_, method, c10::toString(logits.scalar_type()), shape_str(logits.sizes()), ids.size(0), ids.size(1),
               V ? fmt::format(" {}", V) : std::string());
     return logits;
   }
@@ -325,7 +377,19 @@ class TorchScriptLM final : public CausalLM {
     Probe probe;
     HookContext ctx;
     ctx.probe = &probe;
-    at::Tensor logits = run(ctx, at::zeros({1, L}, at::kLong), at::ones({1, L}, at::kLong));
+    const at::Tensor ids = at::zeros({1, L}, at::kLong), mask = at::ones({1, L}, at::kLong);
+    at::Tensor logits;
+    if (cached_) {
+      std::vector<at::Tensor> cache;
+      logits = run_step(ctx, ids, mask, cache);
+      // One more token through the returned cache: the round trip works.
+      Probe again;
+      HookContext next;
+      next.probe = &again;
+      run_step(next, at::zeros({1, 1}, at::kLong), at::ones({1, L + 1}, at::kLong), cache);
+    } else {
+      logits = run(ctx, ids, mask);
+    }
     if (cfg_.vocab_size == 0) cfg_.vocab_size = logits.size(2);
     std::int64_t max_layer = -1;
     for (const auto& [name, calls] : probe.seen) {
@@ -407,6 +471,7 @@ class TorchScriptLM final : public CausalLM {
   std::size_t weight_bytes_ = 0;
   std::unordered_map<std::string, SiteInfo> sites_;
   hooks::SiteSpace space_;
+  bool cached_ = false;  // the module has forward_step (KV-cache convention)
 };
 
 }  // namespace

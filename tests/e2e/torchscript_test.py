@@ -5,7 +5,8 @@ capture the same tensors; a module exported without hooks and instrumented
 from a hook map captures the same residual streams; bad modules exit 2.
 
   torchscript_test.py DMI_RUN TEST_MODELS CASE
-    parity-MODEL   hooked export vs native, --hooks full, fp32
+    parity-MODEL   hooked export vs native, --hooks full, fp32 (forward_step: KV cache)
+    full-recompute-MODEL  the same through forward only (whole sequence each step)
     auto           --no-hooks export + data/hook-maps/hf-llama.json vs native
     bfloat16       --dtype bfloat16 on a TorchScript model (module.to(bf16))
     bad-NAME       one-line errors with exit status 2
@@ -52,7 +53,7 @@ def run(model, out=None, *extra, expect_rc=0):
 
 
 def compare(native_h5, ts_h5, sites, bound=1e-5):
-    worst = (0.0, None)
+    worst = (-1.0, "")
     with h5py.File(native_h5, "r") as fa, h5py.File(ts_h5, "r") as fb:
         if not np.array_equal(fa["sequences"]["tokens"][:], fb["sequences"]["tokens"][:]):
             fail("generated tokens differ between the native and the TorchScript model")
@@ -87,10 +88,24 @@ def script_save(module, path, config=True):
     return path
 
 
-def case_parity(name):
+class FullOnly(torch.nn.Module):
+    """A module with forward only (no forward_step): dmi recomputes the whole sequence each step."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids, attention_mask)
+
+
+def case_parity(name, full_recompute=False):
     src = os.path.join(models, name)
     pt = os.path.join(tmp, name + ".pt")
     dts.export(src, pt)
+    if full_recompute:
+        config, m = dts.build(src)
+        torch.jit.save(torch.jit.script(FullOnly(m)), pt, _extra_files={"config.json": json.dumps(config)})
     a, b = os.path.join(tmp, "native.h5"), os.path.join(tmp, "ts.h5")
     ra = run(src, a, "--hooks", "full")
     rb = run(pt, b, "--hooks", "full")
@@ -101,7 +116,8 @@ def case_parity(name):
     if sa != sb:
         fail(f"sites differ: native only {set(sa) - set(sb)}, TorchScript only {set(sb) - set(sa)}")
     e, site = compare(a, b, sa)
-    print(f"{name}: {len(sa)} sites, tokens equal, worst relative difference {e:.3g} ({site})")
+    how = "full recomputation" if full_recompute else "forward_step"
+    print(f"{name} ({how}): {len(sa)} sites, tokens equal, worst relative difference {e:.3g} ({site})")
 
 
 def case_auto():
@@ -157,6 +173,16 @@ def case_bad(what):
                 return x.float()
         expect_bad(script_save(OneArg(), os.path.join(tmp, "one.pt")),
                    "forward must be forward(input_ids: Tensor, attention_mask: Tensor) -> Tensor")
+
+        class BadStep(torch.nn.Module):
+            def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+                return input_ids.float()[:, :, None].repeat(1, 1, 256)
+
+            @torch.jit.export
+            def forward_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+                return self.forward(input_ids, attention_mask)
+        expect_bad(script_save(BadStep(), os.path.join(tmp, "badstep.pt")),
+                   "forward_step must be forward_step(input_ids: Tensor, attention_mask: Tensor, cache: List[Tensor])")
     elif what == "corrupt":
         p = os.path.join(tmp, "corrupt.pt")
         open(p, "wb").write(b"PK\x03\x04" + os.urandom(4000))
@@ -214,6 +240,8 @@ def case_bad(what):
 
 if case.startswith("parity-"):
     case_parity(case[len("parity-"):])
+elif case.startswith("full-recompute-"):
+    case_parity(case[len("full-recompute-"):], full_recompute=True)
 elif case == "auto":
     case_auto()
 elif case == "bfloat16":

@@ -16,7 +16,7 @@ The module follows dmi's TorchScript calling convention (docs/torchscript.md):
         -> logits Tensor[B, L, vocab]
 
 recomputing the whole sequence each call; attention_mask is 0 at left padding.
-It also has dmi's KV-cache method (unless --no-kv-cache)
+It also has dmi's KV-cache method
 
     forward_step(input_ids: Tensor[B, T], attention_mask: Tensor[B, S + T], cache: List[Tensor])
         -> (logits Tensor[B, T, vocab], List[Tensor])

@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
-#include <sys/stat.h>
 #include <torch/csrc/jit/api/function_impl.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/library.h>

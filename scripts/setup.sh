@@ -19,6 +19,8 @@ pkgs=(
   # storage and utility libraries
   libhdf5-dev hdf5-tools libcli11-dev nlohmann-json3-dev libfmt-dev doctest-dev
   libpcre2-dev libutf8proc-dev libpng-dev
+  # model fingerprints: SHA-256 (OpenSSL) and XXH3-128 (xxHash)
+  libssl-dev libxxhash-dev
 )
 if [ $with_tests = 1 ]; then
   # test references run with Debian's /usr/bin/python3

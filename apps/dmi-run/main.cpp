@@ -2,10 +2,12 @@
 // A thin front end: flags in, library calls, one line per error.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <atomic>
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <iostream>
@@ -17,8 +19,10 @@
 #include "engine/capture_run.h"
 #include "engine/generator.h"
 #include "engine/prompts.h"
+#include "engine/replay.h"
 #include "engine/runtime.h"
 #include "io/tokenizer.h"
+#include "sink/capture_file.h"
 #include "model/causal_lm.h"
 
 namespace {
@@ -43,6 +47,13 @@ struct Args {
   bool json = false, no_special = false, quiet = false, ignore_eos = false;
   dmi::engine::CaptureConfig capture;
   std::string command_line;
+  // --replay
+  std::string replay, replay_mode = "exact", seqs;
+  bool verify = false, allow_mismatch = false;
+  double atol = 0, rtol = 0;
+  std::vector<CLI::Option*> capture_flags;     // given flags override the record's
+  std::vector<CLI::Option*> recorded_settings;  // flags a replay takes from the record
+  CLI::Option *threads_flag = nullptr, *batch_flag = nullptr, *atol_flag = nullptr, *rtol_flag = nullptr;
 };
 
 std::string shell_quote(const std::string& s) {
@@ -54,14 +65,94 @@ std::string shell_quote(const std::string& s) {
   return out + "'";
 }
 
+// Prints the generated sequences (text, or --json) and the capture line.
+void report(const Args& a, const std::string& model_path, const std::string& architecture, int threads,
+            const std::vector<dmi::engine::SequenceResult>& results, const std::vector<std::string>& prompt_texts,
+            const std::vector<std::string>& prompt_display,
+            const dmi::engine::Timings& t, const std::optional<dmi::engine::CaptureResult>& cap, std::size_t sites,
+            const std::string& output, const dmi::io::Tokenizer& tok, nlohmann::json extra = {}) {
+  auto rate = [](std::int64_t n, double s) { return s > 0 ? n / s : 0.0; };
+  if (a.json) {
+    nlohmann::json j;
+    j["model"] = model_path;
+    j["architecture"] = architecture;
+    j["dtype"] = a.dtype;
+    j["threads"] = threads;
+    j["sampling"] = {{"temperature", a.temperature}, {"top_k", a.top_k}, {"top_p", a.top_p}, {"seed", a.seed}};
+    j["sequences"] = nlohmann::json::array();
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      const auto& r = results[i];
+      if (r.finish_reason == "skipped") continue;
+      j["sequences"].push_back({{"index", i},
+                                {"prompt", prompt_texts[i]},
+                                {"prompt_ids", r.prompt_ids},
+                                {"output_ids", r.output_ids},
+                                {"text", tok.decode(r.output_ids, /*skip_special_tokens=*/true)},
+                                {"finish_reason", r.finish_reason}});
+    }
+    j["timings"] = {{"prefill_tokens", t.prefill_tokens},
+                    {"prefill_seconds", t.prefill_seconds},
+                    {"prefill_tokens_per_second", rate(t.prefill_tokens, t.prefill_seconds)},
+                    {"decode_tokens", t.decode_tokens},
+                    {"decode_seconds", t.decode_seconds},
+                    {"decode_tokens_per_second", rate(t.decode_tokens, t.decode_seconds)}};
+    if (cap)
+      j["capture"] = {{"output", output},
+                      {"sink", a.capture.sink},
+                      {"status", cap->status},
+                      {"sites", sites},
+                      {"records_written", cap->stats.records_written},
+                      {"records_dropped", cap->stats.records_dropped},
+                      {"bytes_written", cap->stats.bytes_written},
+                      {"ring_high_water_bytes", cap->stats.high_water_bytes},
+                      {"producer_wait_seconds", cap->stats.producer_wait_seconds},
+                      {"sink_cpu_seconds", cap->stats.sink_cpu_seconds}};
+    for (auto it = extra.begin(); it != extra.end(); ++it) j[it.key()] = it.value();
+    std::cout << j.dump(2) << "\n";
+    return;
+  }
+  std::size_t shown = 0;
+  for (const auto& r : results) shown += r.finish_reason != "skipped";
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    const auto& r = results[i];
+    if (r.finish_reason == "skipped") continue;
+    if (shown > 1) std::cout << "[" << i << "] ";
+    std::cout << prompt_display[i] << tok.decode(r.output_ids, true) << "\n";
+  }
+  if (cap && !a.quiet)
+    std::fprintf(stderr, "dmi-run: captured %zu sites, %llu records (%llu dropped), %.1f MB -> %s [%s]\n", sites,
+                 static_cast<unsigned long long>(cap->stats.records_written),
+                 static_cast<unsigned long long>(cap->stats.records_dropped), cap->stats.bytes_written / 1e6,
+                 output.empty() ? "null sink" : output.c_str(), cap->status.c_str());
+  if (!a.quiet)
+    std::fprintf(stderr, "dmi-run: prefill %lld tokens at %.1f tok/s, decode %lld tokens at %.1f tok/s\n",
+                 static_cast<long long>(t.prefill_tokens), rate(t.prefill_tokens, t.prefill_seconds),
+                 static_cast<long long>(t.decode_tokens), rate(t.decode_tokens, t.decode_seconds));
+}
+
+std::function<void(std::size_t, std::size_t)> progress(const Args& a, std::size_t sequences) {
+  if (a.quiet || sequences <= static_cast<std::size_t>(a.batch_size)) return {};
+  return [](std::size_t done, std::size_t total) { std::fprintf(stderr, "dmi-run: %zu/%zu sequences\n", done, total); };
+}
+
 int run(const Args& a) {
   using namespace dmi;
-  const int threads = engine::configure_threads(a.threads);
+  engine::RunSettings s;
+  s.threads = engine::configure_threads(a.threads);
   const bool capturing = !a.capture.hooks.empty();
   if (capturing) engine::validate_capture_config(a.capture);
   DMI_CHECK(capturing || a.capture.output.empty(), "--output needs --hooks (which sites to capture)");
-  const std::string model_dir = a.model.empty() ? default_model_dir() : a.model;
-  const at::ScalarType dtype = a.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  s.model_path = a.model.empty() ? default_model_dir() : a.model;
+  s.tokenizer_path = a.tokenizer;
+  s.hook_map = a.hook_map;
+  s.dtype = a.dtype;
+  s.max_new_tokens = a.max_new_tokens;
+  s.batch_size = a.batch_size;
+  s.sampling = {a.temperature, a.top_k, a.top_p, a.seed};
+  s.ignore_eos = a.ignore_eos;
+  s.add_special_tokens = !a.no_special;
+  s.capture = a.capture;
+  s.command_line = a.command_line;
 
   // Prompts first: they are cheap to check and the model is not.
   std::vector<engine::PromptSpec> specs;
@@ -73,135 +164,154 @@ int run(const Args& a) {
   for (const auto& p : a.prompt_ids) specs.push_back({"", engine::parse_id_list(p), true});
   if (specs.empty()) specs.push_back({kDefaultPrompt, {}, false});
 
-  const std::string tok_path = a.tokenizer.empty() ? model::default_tokenizer_path(model_dir) : a.tokenizer;
-  auto model = model::load_model(model_dir, dtype, {a.hook_map});
-  io::Tokenizer tok = io::Tokenizer::load(tok_path);
-  const auto& cfg = model->config();
-
-  std::vector<std::vector<std::int32_t>> ids;
+  // A capture records the model's fingerprint (for --replay).
+  engine::LoadedModel m = engine::load_for_run(s, /*fingerprint=*/capturing);
+  engine::Job job;
   for (std::size_t i = 0; i < specs.size(); ++i) {
-    ids.push_back(specs[i].has_ids ? specs[i].ids : tok.encode(specs[i].text, !a.no_special));
-    DMI_CHECK(!ids.back().empty(), "prompt {} is empty after tokenization", i);
+    job.prompts.push_back(specs[i].has_ids ? specs[i].ids : m.tokenizer->encode(specs[i].text, s.add_special_tokens));
+    DMI_CHECK(!job.prompts.back().empty(), "prompt {} is empty after tokenization", i);
+    job.prompt_texts.push_back(specs[i].has_ids ? m.tokenizer->decode(job.prompts.back()) : specs[i].text);
   }
-
-  engine::GenerateOptions opts;
-  opts.max_new_tokens = a.max_new_tokens;
-  opts.batch_size = a.batch_size;
-  opts.sampling = {a.temperature, a.top_k, a.top_p, a.seed};
-  if (!a.ignore_eos) opts.eos_ids = cfg.eos_token_ids;
-  opts.stop = &g_stop;
-  const bool show_progress = !a.quiet && specs.size() > static_cast<std::size_t>(a.batch_size);
-  if (show_progress)
-    opts.on_progress = [](std::size_t done, std::size_t total) {
-      std::fprintf(stderr, "dmi-run: %zu/%zu sequences\n", done, total);
-    };
-  // Capture: the file is created only now, after all input was checked.
-  std::unique_ptr<engine::CaptureRun> capture;
-  if (capturing) {
-    std::int64_t longest = 0;
-    for (const auto& p : ids)
-      longest = std::max<std::int64_t>(
-          longest, std::min<std::int64_t>(p.size() + a.max_new_tokens, cfg.max_position_embeddings));
-    sink::RunInfo info;
-    info.text = {{"tool", "dmi-run"},
-                 {"tool_version", DMI_VERSION},
-                 {"command_line", a.command_line},
-                 {"model_path", model_dir},
-                 {"architecture", cfg.architecture},
-                 {"model_config", cfg.json_text},
-                 {"tokenizer_path", tok_path},
-                 {"selection", a.capture.hooks},
-                 {"token_policy", a.capture.tokens},
-                 {"logits", a.capture.logits},
-                 {"capture_dtype", a.capture.capture_dtype == "model" ? a.dtype : a.capture.capture_dtype},
-                 {"compute_dtype", a.dtype},
-                 {"on_full", a.capture.on_full},
-                 {"sampling", nlohmann::json{{"temperature", a.temperature}, {"top_k", a.top_k}, {"top_p", a.top_p}}.dump()}};
-    info.ints = {{"every", a.capture.every},
-                 {"seed", static_cast<std::int64_t>(a.seed)},
-                 {"max_new_tokens", a.max_new_tokens},
-                 {"batch_size", a.batch_size},
-                 {"n_layers", cfg.num_layers},
-                 {"attention_width", longest}};
-    capture = std::make_unique<engine::CaptureRun>(a.capture, cfg, model->site_space(), dtype, longest, info);
-    opts.observer = capture->observer();
-  }
-
-  engine::Generator gen(*model, opts);
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
-  std::vector<engine::SequenceResult> results;
-  try {
-    results = gen.generate(ids);
-  } catch (...) {
-    if (capture) capture->finish("failed", {});  // the file stays readable
-    throw;
-  }
-  const auto& t = gen.timings();
-  std::optional<engine::CaptureResult> cap;
-  if (capture) {
-    std::vector<sink::SequenceInfo> seqs;
-    for (std::size_t i = 0; i < results.size(); ++i)
-      seqs.push_back({specs[i].has_ids ? tok.decode(results[i].prompt_ids) : specs[i].text,
-                      tok.decode(results[i].output_ids, true), results[i].finish_reason, results[i].prompt_ids,
-                      results[i].output_ids});
-    cap = capture->finish(g_stop.load() ? "interrupted" : "complete", seqs);
-  }
-
-  if (a.json) {
-    nlohmann::json j;
-    j["model"] = model_dir;
-    j["architecture"] = cfg.architecture;
-    j["dtype"] = a.dtype;
-    j["threads"] = threads;
-    j["sampling"] = {{"temperature", a.temperature}, {"top_k", a.top_k}, {"top_p", a.top_p}, {"seed", a.seed}};
-    j["sequences"] = nlohmann::json::array();
-    for (std::size_t i = 0; i < results.size(); ++i) {
-      const auto& r = results[i];
-      j["sequences"].push_back({{"index", i},
-                                {"prompt", specs[i].has_ids ? tok.decode(r.prompt_ids) : specs[i].text},
-                                {"prompt_ids", r.prompt_ids},
-                                {"output_ids", r.output_ids},
-                                {"text", tok.decode(r.output_ids, /*skip_special_tokens=*/true)},
-                                {"finish_reason", r.finish_reason}});
-    }
-    auto rate = [](std::int64_t n, double s) { return s > 0 ? n / s : 0.0; };
-    j["timings"] = {{"prefill_tokens", t.prefill_tokens},
-                    {"prefill_seconds", t.prefill_seconds},
-                    {"prefill_tokens_per_second", rate(t.prefill_tokens, t.prefill_seconds)},
-                    {"decode_tokens", t.decode_tokens},
-                    {"decode_seconds", t.decode_seconds},
-                    {"decode_tokens_per_second", rate(t.decode_tokens, t.decode_seconds)}};
-    if (cap)
-      j["capture"] = {{"output", a.capture.sink == "hdf5" ? a.capture.output : std::string()},
-                      {"sink", a.capture.sink},
-                      {"status", cap->status},
-                      {"sites", capture->streams().size()},
-                      {"records_written", cap->stats.records_written},
-                      {"records_dropped", cap->stats.records_dropped},
-                      {"bytes_written", cap->stats.bytes_written},
-                      {"ring_high_water_bytes", cap->stats.high_water_bytes},
-                      {"producer_wait_seconds", cap->stats.producer_wait_seconds},
-                      {"sink_cpu_seconds", cap->stats.sink_cpu_seconds}};
-    std::cout << j.dump(2) << "\n";
-  } else {
-    for (std::size_t i = 0; i < results.size(); ++i) {
-      const auto& r = results[i];
-      std::string prompt = specs[i].has_ids ? tok.decode(r.prompt_ids, true) : specs[i].text;
-      if (results.size() > 1) std::cout << "[" << i << "] ";
-      std::cout << prompt << tok.decode(r.output_ids, true) << "\n";
-    }
-    if (cap && !a.quiet)
-      std::fprintf(stderr, "dmi-run: captured %zu sites, %llu records (%llu dropped), %.1f MB -> %s [%s]\n",
-                   capture->streams().size(), static_cast<unsigned long long>(cap->stats.records_written),
-                   static_cast<unsigned long long>(cap->stats.records_dropped), cap->stats.bytes_written / 1e6,
-                   a.capture.sink == "hdf5" ? a.capture.output.c_str() : "null sink", cap->status.c_str());
-    if (!a.quiet)
-      std::fprintf(stderr, "dmi-run: prefill %lld tokens at %.1f tok/s, decode %lld tokens at %.1f tok/s\n",
-                   static_cast<long long>(t.prefill_tokens), t.prefill_seconds > 0 ? t.prefill_tokens / t.prefill_seconds : 0.0,
-                   static_cast<long long>(t.decode_tokens), t.decode_seconds > 0 ? t.decode_tokens / t.decode_seconds : 0.0);
-  }
+  engine::RunOutput out = engine::run_job(s, m, job, &g_stop, progress(a, specs.size()));
+  std::vector<std::string> display;  // id prompts are shown without special tokens
+  for (std::size_t i = 0; i < specs.size(); ++i)
+    display.push_back(specs[i].has_ids ? m.tokenizer->decode(job.prompts[i], true) : specs[i].text);
+  nlohmann::json extra;
+  if (capturing)
+    extra["fingerprint"] = {{"seconds", m.model->fingerprint_seconds()}, {"bytes", m.model->fingerprint_bytes()}};
+  report(a, s.model_path, m.model->config().architecture, s.threads, out.results, job.prompt_texts, display,
+         out.timings,
+         out.capture, out.capture_sites, a.capture.sink == "hdf5" ? a.capture.output : std::string(), *m.tokenizer,
+         extra);
   return g_stop.load() ? 130 : 0;
+}
+
+nlohmann::json finite(double v) {
+  return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(std::isnan(v) ? "nan" : "inf");
+}
+
+int run_replay(const Args& a) {
+  using namespace dmi;
+  for (const CLI::Option* o : a.recorded_settings)
+    DMI_CHECK(o->count() == 0, "{} cannot be combined with --replay: a replay uses the recorded settings",
+              o->get_name());
+  engine::ReplayOptions o;
+  o.source = a.replay;
+  o.mode = a.replay_mode;
+  o.model = a.model;
+  o.tokenizer = a.tokenizer;
+  o.allow_mismatch = a.allow_mismatch;
+  o.capture = engine::recorded_capture_config(a.replay);
+  auto given = [&](const std::string& name) {
+    for (const CLI::Option* f : a.capture_flags)
+      if (f->check_name(name) && f->count() > 0) return true;
+    return false;
+  };
+  if (given("--hooks")) o.capture.hooks = a.capture.hooks;
+  if (given("--output")) o.capture.output = a.capture.output;
+  if (given("--tokens")) o.capture.tokens = a.capture.tokens;
+  if (given("--every")) o.capture.every = a.capture.every;
+  if (given("--logits")) o.capture.logits = a.capture.logits;
+  if (given("--capture-dtype")) o.capture.capture_dtype = a.capture.capture_dtype;
+  if (given("--compression")) o.capture.compression = a.capture.compression;
+  if (given("--ring-mb")) o.capture.ring_mb = a.capture.ring_mb;
+  DMI_CHECK(a.capture.sink == "hdf5" && a.capture.transport == "ring" && a.capture.on_full == "block",
+            "--sink, --transport and --on-full cannot be combined with --replay (a replay writes a lossless HDF5 "
+            "capture)");
+  if (a.threads_flag->count()) o.threads = a.threads;
+  if (a.batch_flag->count()) o.batch_size = a.batch_size;
+  if (a.atol_flag->count()) o.atol = a.atol;
+  if (a.rtol_flag->count()) o.rtol = a.rtol;
+  o.seqs = a.seqs;
+  o.verify = a.verify;
+  o.command_line = a.command_line;
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+  auto on_progress = [&](std::size_t done, std::size_t total) {
+    if (!a.quiet && total > 1) std::fprintf(stderr, "dmi-run: replay %zu/%zu sequences\n", done, total);
+  };
+  engine::ReplayResult r = engine::replay(o, &g_stop, on_progress);
+  if (!a.quiet)
+    for (const auto& w : r.warnings) std::fprintf(stderr, "dmi-run: warning: %s\n", w.c_str());
+  if (!a.quiet && !r.fingerprint_differences.empty())
+    for (const auto& d : r.fingerprint_differences)
+      std::fprintf(stderr, "dmi-run: warning: model differs (--allow-mismatch): %s\n", d.c_str());
+
+  // The sequences as the source recorded them, for printing.
+  auto src = sink::CaptureFile::open(a.replay);
+  std::vector<std::string> texts;
+  for (std::size_t i = 0; i < src->n_sequences(); ++i) texts.push_back(src->prompt_text(i));
+  nlohmann::json rep{{"source", a.replay},
+                     {"mode", r.mode},
+                     {"sequences", r.replayed},
+                     {"fingerprint_matched", r.fingerprint_matched},
+                     {"fingerprint_differences", r.fingerprint_differences},
+                     {"fingerprint_seconds", r.fingerprint_seconds},
+                     {"fingerprint_bytes", r.fingerprint_bytes},
+                     {"warnings", r.warnings}};
+  if (!r.source_timings.empty()) rep["source_timings"] = nlohmann::json::parse(r.source_timings, nullptr, false);
+  if (r.verified) {
+    nlohmann::json v{{"equal", r.equal}, {"bitwise", r.bitwise}, {"atol", r.atol}, {"rtol", r.rtol}};
+    v["sequences"] = nlohmann::json::array();
+    for (const auto& sd : r.report.sequences) {
+      nlohmann::json e{{"seq", sd.seq}, {"equal", sd.equal}};
+      if (sd.first_generated_diff)
+        e["first_diverging_generated_token"] = {
+            {"index", *sd.first_generated_diff}, {"replay", sd.token_a}, {"source", sd.token_b}};
+      v["sequences"].push_back(e);
+    }
+    v["sites"] = nlohmann::json::array();
+    for (const auto& sd : r.report.sites) {
+      nlohmann::json e{{"site", sd.site},         {"rows", sd.rows},
+                       {"max_abs", finite(sd.max_abs)}, {"max_rel", finite(sd.max_rel())},
+                       {"mismatches", sd.mismatches},   {"rows_only_replay", sd.rows_only_a},
+                       {"rows_only_source", sd.rows_only_b}, {"shape_mismatch", sd.shape_mismatch}};
+      if (sd.first_mismatch) e["first_mismatch"] = {{"seq", sd.first_mismatch->first}, {"pos", sd.first_mismatch->second}};
+      v["sites"].push_back(e);
+    }
+    v["sites_only_replay"] = r.report.sites_only_a;
+    v["sites_only_source"] = r.report.sites_only_b;
+    rep["verify"] = v;
+  }
+  Args shown = a;
+  shown.dtype = src->text_attr("compute_dtype");
+  report(shown, src->text_attr("model_path"), src->text_attr("architecture"),
+         static_cast<int>(src->int_attr("threads").value_or(0)), r.results, texts, texts, r.timings, r.capture,
+         r.capture_sites, r.output, *r.tokenizer, a.json ? nlohmann::json{{"replay", rep}} : nlohmann::json{});
+  if (!a.json && r.verified) {
+    std::size_t w = 4;
+    for (const auto& sd : r.report.sites) w = std::max(w, sd.site.size());
+    for (const auto& sd : r.report.sequences)
+      if (sd.prompt_differs) fmt::print("sequence {}: prompts differ\n", sd.seq);
+      else if (sd.first_generated_diff)
+        fmt::print("sequence {}: generated tokens diverge at generated token {} (replay {} vs source {})\n", sd.seq,
+                   *sd.first_generated_diff, sd.token_a, sd.token_b);
+    if (!a.quiet || !r.equal) {
+      fmt::print("{:<{}} {:>7} {:>11} {:>11}  {}\n", "site", w, "rows", "max_abs", "max_rel", "result");
+      for (const auto& sd : r.report.sites) {
+        std::string verdict = sd.mismatches == 0 && !sd.shape_mismatch ? "ok" : "DIFF";
+        if (sd.shape_mismatch) verdict += " (shapes differ)";
+        else if (sd.first_mismatch)
+          verdict += fmt::format(" (first at seq {} pos {}; {} elements)", sd.first_mismatch->first,
+                                 sd.first_mismatch->second, sd.mismatches);
+        if (sd.rows_only_a || sd.rows_only_b)
+          verdict += fmt::format(" [{} rows only in the replay, {} only in the source]", sd.rows_only_a, sd.rows_only_b);
+        fmt::print("{:<{}} {:>7} {:>11.4g} {:>11.4g}  {}\n", sd.site, w, sd.rows, sd.max_abs, sd.max_rel(), verdict);
+      }
+    }
+    if (!r.report.sites_only_a.empty())
+      fmt::print("{} site(s) only in the replay, not compared\n", r.report.sites_only_a.size());
+    if (!r.report.sites_only_b.empty())
+      fmt::print("{} site(s) only in the source, not compared: {}\n", r.report.sites_only_b.size(),
+                 fmt::join(r.report.sites_only_b, ", "));
+    fmt::print("replay {}: {} sequence(s), {} site(s) compared, {}\n", r.equal ? "verified" : "DIFFERS",
+               r.report.sequences.size(), r.report.sites.size(),
+               r.bitwise ? std::string("bit for bit") : fmt::format("atol {} rtol {}", r.atol, r.rtol));
+  }
+  if (g_stop.load()) return 130;
+  return r.verified && !r.equal ? 1 : 0;
 }
 
 }  // namespace
@@ -222,58 +332,88 @@ int main(int argc, char** argv) {
       "  dmi-run --hooks full --sink null --json             # transport only, data discarded\n"
       "  dmi-run --model model.pt --hooks resid_post -o ts.h5   # TorchScript (docs/torchscript.md)\n"
       "  dmi-run --model plain.pt --hook-map layers.json --hooks resid_post -o ts.h5\n"
-      "\nExit status: 0 ok, 2 bad input (one line on stderr), 130 interrupted, 1 internal error.");
+      "  dmi-run --replay run.h5 --verify                   # re-run a capture, prove it bit-identical\n"
+      "  dmi-run --replay run.h5 --replay-mode forced --hooks full -o deep.h5 --seq 3,7   # add sites\n"
+      "\nExit status: 0 ok, 2 bad input (one line on stderr), 130 interrupted, 1 internal error;\n"
+      "with --replay --verify: 0 equal, 1 different, 2 bad input or internal error.");
   Args a;
   app.add_option("-m,--model", a.model,
                  "HF model directory, or a TorchScript .pt file (default: the embedded model in data/default-model)");
   app.add_option("--tokenizer", a.tokenizer,
                  "tokenizer.json (default: MODEL/tokenizer.json, or tokenizer.json next to a .pt file)");
-  app.add_option("--hook-map", a.hook_map,
+  auto* hook_map = app.add_option("--hook-map", a.hook_map,
                  "TorchScript only: JSON mapping submodule outputs to sites, inserted as hooks "
                  "(schemas/dmi-hook-map.schema.json)");
-  app.add_option("-p,--prompt", a.prompts, "prompt text (repeatable)");
-  app.add_option("--prompts", a.prompts_file, "file of prompts: one per line, or JSONL with \"text\" or \"ids\"");
-  app.add_option("--prompt-ids", a.prompt_ids, "prompt as comma-separated token ids (repeatable)");
-  app.add_option("-n,--max-new-tokens", a.max_new_tokens, "tokens to generate per sequence")
+  auto* prompt = app.add_option("-p,--prompt", a.prompts, "prompt text (repeatable)");
+  auto* prompts = app.add_option("--prompts", a.prompts_file,
+                                 "file of prompts: one per line, or JSONL with \"text\" or \"ids\"");
+  auto* prompt_ids = app.add_option("--prompt-ids", a.prompt_ids, "prompt as comma-separated token ids (repeatable)");
+  auto* max_new = app.add_option("-n,--max-new-tokens", a.max_new_tokens, "tokens to generate per sequence")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
-  app.add_option("-b,--batch-size", a.batch_size, "sequences per batch")->capture_default_str()
+  a.batch_flag = app.add_option("-b,--batch-size", a.batch_size, "sequences per batch")->capture_default_str()
       ->check(CLI::PositiveNumber);
-  app.add_option("--dtype", a.dtype, "compute dtype")->capture_default_str()
+  auto* dtype = app.add_option("--dtype", a.dtype, "compute dtype")->capture_default_str()
       ->check(CLI::IsMember({"float32", "bfloat16"}));
-  app.add_option("--temperature", a.temperature, "0 = greedy")->capture_default_str()->check(CLI::NonNegativeNumber);
-  app.add_option("--top-k", a.top_k, "sample from the k most likely tokens (0 = off)")->capture_default_str()
+  auto* temperature = app.add_option("--temperature", a.temperature, "0 = greedy")->capture_default_str()->check(CLI::NonNegativeNumber);
+  auto* top_k = app.add_option("--top-k", a.top_k, "sample from the k most likely tokens (0 = off)")->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--top-p", a.top_p, "nucleus sampling mass (1 = off)")->capture_default_str()
+  auto* top_p = app.add_option("--top-p", a.top_p, "nucleus sampling mass (1 = off)")->capture_default_str()
       ->check(CLI::Range(0.0, 1.0).description("in (0, 1]"));
-  app.add_option("--seed", a.seed, "sampling seed; the same seed gives the same output")->capture_default_str();
-  app.add_option("-t,--threads", a.threads, "CPU threads (0 = all cores)")->capture_default_str()
+  auto* seed = app.add_option("--seed", a.seed, "sampling seed; the same seed gives the same output")->capture_default_str();
+  a.threads_flag = app.add_option("-t,--threads", a.threads, "CPU threads (0 = all cores)")->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  app.add_flag("--no-special-tokens", a.no_special, "do not add the tokenizer's special tokens (e.g. BOS) to prompts");
-  app.add_flag("--ignore-eos", a.ignore_eos, "keep generating past end-of-sequence tokens");
+  auto* no_special = app.add_flag("--no-special-tokens", a.no_special, "do not add the tokenizer's special tokens (e.g. BOS) to prompts");
+  auto* ignore_eos = app.add_flag("--ignore-eos", a.ignore_eos, "keep generating past end-of-sequence tokens");
   app.add_flag("--json", a.json, "print a machine-readable summary on stdout");
   auto* cap = app.add_option_group("Capture", "what to capture and where (see docs/capture-format.md)");
-  cap->add_option("--hooks", a.capture.hooks,
+  a.capture_flags.push_back(cap->add_option("--hooks", a.capture.hooks,
                   "sites: short names (resid_post, pattern, ...), full names, globs (blocks.*.hook_resid_post), "
                   "layer sets (blocks.{0-3,10}.attn.hook_pattern), presets (residual, attention, mlp, kv, full, "
-                  "hf-hidden-states); comma-separated");
-  cap->add_option("-o,--output", a.capture.output, "capture file (HDF5, format dmi-capture v1)");
-  cap->add_option("--tokens", a.capture.tokens, "which tokens: all, prompt, generated, last-prompt")
-      ->capture_default_str();
-  cap->add_option("--every", a.capture.every, "capture every N-th decode step")->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  cap->add_option("--logits", a.capture.logits, "full, or topk:K (values + ids)")->capture_default_str();
-  cap->add_option("--capture-dtype", a.capture.capture_dtype, "model, float32, float16, bfloat16")
-      ->capture_default_str();
-  cap->add_option("--ring-mb", a.capture.ring_mb, "payload ring budget in MiB")->capture_default_str()
-      ->check(CLI::PositiveNumber);
+                  "hf-hidden-states); comma-separated"));
+  a.capture_flags.push_back(cap->add_option("-o,--output", a.capture.output, "capture file (HDF5, format dmi-capture v2)"));
+  a.capture_flags.push_back(
+      cap->add_option("--tokens", a.capture.tokens, "which tokens: all, prompt, generated, last-prompt")
+          ->capture_default_str());
+  a.capture_flags.push_back(cap->add_option("--every", a.capture.every, "capture every N-th decode step")
+                                ->capture_default_str()
+                                ->check(CLI::PositiveNumber));
+  a.capture_flags.push_back(
+      cap->add_option("--logits", a.capture.logits, "full, or topk:K (values + ids)")->capture_default_str());
+  a.capture_flags.push_back(
+      cap->add_option("--capture-dtype", a.capture.capture_dtype, "model, float32, float16, bfloat16")
+          ->capture_default_str());
+  a.capture_flags.push_back(cap->add_option("--ring-mb", a.capture.ring_mb, "payload ring budget in MiB")
+                                ->capture_default_str()
+                                ->check(CLI::PositiveNumber));
   cap->add_option("--on-full", a.capture.on_full, "block (lossless) or drop (never stalls; drops are counted)")
       ->capture_default_str();
   cap->add_option("--sink", a.capture.sink, "hdf5, or null (transport only, data discarded)")->capture_default_str();
-  cap->add_option("--compression", a.capture.compression, "none, gzip:N or shuffle+gzip:N")->capture_default_str();
+  a.capture_flags.push_back(
+      cap->add_option("--compression", a.capture.compression, "none, gzip:N or shuffle+gzip:N")->capture_default_str());
   cap->add_option("--transport", a.capture.transport,
                   "ring (async Ring², the default), or for comparison: sync (hooks write inline), materialize "
                   "(keep everything, write at the end)")
       ->capture_default_str();
+  auto* rep = app.add_option_group("Replay", "re-run a capture from its own record (docs/replay.md)");
+  rep->add_option("--replay", a.replay,
+                  "capture file to replay: its prompts, batches, sampling, seed, dtypes and threads, on its model "
+                  "(checked by fingerprint); --hooks/-o/--tokens/--logits choose what the replay captures");
+  rep->add_option("--replay-mode", a.replay_mode,
+                  "exact: generate again, bit-identical on the same machine; forced: teacher-forced, one forward "
+                  "pass per batch over the recorded tokens")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"exact", "forced"}));
+  rep->add_flag("--verify", a.verify,
+                "compare the replay with the source (tokens, every site in both): exit 0 equal, 1 different; "
+                "bit for bit for exact replays of a matching model");
+  rep->add_flag("--allow-mismatch", a.allow_mismatch, "replay even if the model's fingerprint differs");
+  rep->add_option("--seq", a.seqs, "replay these sequences only: 3,7 or 10:20 (exact mode replays their whole batches)");
+  a.atol_flag = rep->add_option("--atol", a.atol, "--verify absolute tolerance (default: by dtype, docs/replay.md)")
+                    ->check(CLI::NonNegativeNumber);
+  a.rtol_flag = rep->add_option("--rtol", a.rtol, "--verify relative tolerance (default: by dtype)")
+                    ->check(CLI::NonNegativeNumber);
+  a.recorded_settings = {hook_map, prompt, prompts, prompt_ids, max_new, dtype, temperature, top_k, top_p, seed,
+                         no_special, ignore_eos};
   app.add_flag("-q,--quiet", a.quiet, "no progress or timing lines on stderr");
   for (int i = 0; i < argc; ++i) a.command_line += (i ? " " : "") + shell_quote(argv[i]);
   if (int rc = dmi::apps::parse_args("dmi-run", app, argc, argv); rc >= 0) return rc;
@@ -281,6 +421,18 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "dmi-run: error: --top-p must be in (0, 1] (see --help)\n");
     return 2;
   }
-  dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(a.dtype));
+  const bool replaying = !a.replay.empty();
+  if (!replaying && (a.verify || a.allow_mismatch || !a.seqs.empty() || a.atol_flag->count() || a.rtol_flag->count())) {
+    std::fprintf(stderr, "dmi-run: error: --verify, --allow-mismatch, --seq, --atol and --rtol need --replay FILE "
+                         "(see --help)\n");
+    return 2;
+  }
+  // A replay runs with the recorded compute dtype's thread set-up.
+  std::string dtype_for_env = a.dtype;
+  if (replaying)
+    if (auto d = dmi::engine::recorded_compute_dtype(a.replay); !d.empty()) dtype_for_env = d;
+  dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(dtype_for_env));
+  // With --verify, status 1 means "different": internal errors are 2 then.
+  if (replaying) return dmi::apps::guarded("dmi-run", [&] { return run_replay(a); }, a.verify ? 2 : 1);
   return dmi::apps::guarded("dmi-run", [&] { return run(a); });
 }

@@ -39,13 +39,16 @@ SiteDiff compare_site(const sink::CaptureFile& fa, const sink::CaptureFile& fb, 
   std::map<std::pair<std::int32_t, std::int32_t>, std::int64_t> rows_b;
   const auto& sb = fb.seq_of(name);
   const auto& pb = fb.pos_of(name);
-  for (std::size_t i = 0; i < sb.size(); ++i) rows_b[{sb[i], pb[i]}] = static_cast<std::int64_t>(i);
+  auto selected = [&](std::int32_t seq) { return o.seqs.empty() || o.seqs.count(seq) != 0; };
+  for (std::size_t i = 0; i < sb.size(); ++i)
+    if (selected(sb[i])) rows_b[{sb[i], pb[i]}] = static_cast<std::int64_t>(i);
   const auto& sa = fa.seq_of(name);
   const auto& pa = fa.pos_of(name);
   std::vector<std::int64_t> ra, rb;
   std::vector<std::pair<std::int32_t, std::int32_t>> keys;
   std::set<std::pair<std::int32_t, std::int32_t>> seen;
   for (std::size_t i = 0; i < sa.size(); ++i) {
+    if (!selected(sa[i])) continue;
     auto k = std::make_pair(sa[i], pa[i]);
     seen.insert(k);
     auto it = rows_b.find(k);
@@ -76,19 +79,22 @@ SiteDiff compare_site(const sink::CaptureFile& fa, const sink::CaptureFile& fb, 
       bb.push_back(rb[order[i]]);
       bpos.push_back(keys[order[i]].second);
     }
-    at::Tensor xa = fa.read_rows(name, ba).to(at::kDouble);
-    at::Tensor xb = fb.read_rows(name, bb).to(at::kDouble);
+    at::Tensor ra32 = fa.read_rows(name, ba), rb32 = fb.read_rows(name, bb);
     if (attention) {
-      const std::int64_t w = std::min(xa.size(2), xb.size(2));
-      xa = xa.narrow(2, 0, w);
-      xb = xb.narrow(2, 0, w);
+      const std::int64_t w = std::min(ra32.size(2), rb32.size(2));
+      ra32 = ra32.narrow(2, 0, w).contiguous();
+      rb32 = rb32.narrow(2, 0, w).contiguous();
     }
-    // Identical entries (including equal infinities and NaN pairs) match.
-    at::Tensor same = xa.eq(xb).logical_or(at::isnan(xa).logical_and(at::isnan(xb)));
+    at::Tensor xa = ra32.to(at::kDouble), xb = rb32.to(at::kDouble);
+    // Identical entries (including equal infinities and NaN pairs) match;
+    // bitwise, only identical bit patterns do.
+    at::Tensor same = o.bitwise ? ra32.view(at::kInt).eq(rb32.view(at::kInt))
+                                : xa.eq(xb).logical_or(at::isnan(xa).logical_and(at::isnan(xb)));
     at::Tensor fin = at::isfinite(xa).logical_and(at::isfinite(xb));
     at::Tensor diff = (xa - xb).abs().masked_fill(at::logical_not(fin), 0.0);
     at::Tensor tol = o.atol + o.rtol * xb.abs().masked_fill(at::logical_not(fin), 0.0);
-    at::Tensor bad = same.logical_not().logical_and(fin.logical_not().logical_or(diff > tol));
+    at::Tensor bad = o.bitwise ? same.logical_not()
+                               : same.logical_not().logical_and(fin.logical_not().logical_or(diff > tol));
     const std::int64_t nbad = bad.sum().item<std::int64_t>();
     if (nbad > 0 && !d.first_mismatch) {
       at::Tensor row_bad = bad.reshape({bad.size(0), -1}).any(1);
@@ -98,6 +104,7 @@ SiteDiff compare_site(const sink::CaptureFile& fa, const sink::CaptureFile& fb, 
     d.mismatches += nbad;
     at::Tensor fa_ = xa.masked_fill(at::logical_not(fin), 0.0), fb_ = xb.masked_fill(at::logical_not(fin), 0.0);
     d.max_abs = std::max(d.max_abs, diff.max().item<double>());
+    d.max_ref = std::max(d.max_ref, fb_.abs().max().item<double>());
     sum_abs += diff.sum().item<double>();
     sum_sq_diff += diff.pow(2).sum().item<double>();
     sum_sq_a += fa_.pow(2).sum().item<double>();
@@ -120,6 +127,7 @@ DiffReport diff_captures(const sink::CaptureFile& a, const sink::CaptureFile& b,
   DiffReport r;
   const std::size_t na = a.n_sequences(), nb = b.n_sequences();
   for (std::size_t s = 0; s < std::min(na, nb); ++s) {
+    if (!o.seqs.empty() && !o.seqs.count(static_cast<std::int32_t>(s))) continue;
     SequenceDiff sd;
     sd.seq = s;
     auto ta = a.tokens(s), tb = b.tokens(s);

@@ -78,11 +78,13 @@ CaptureRun::~CaptureRun() {
   }
 }
 
-CaptureResult CaptureRun::finish(const std::string& status, const std::vector<sink::SequenceInfo>& sequences) {
+CaptureResult CaptureRun::finish(const std::string& status, const std::vector<sink::SequenceInfo>& sequences,
+                                 const std::string& timings_json) {
   finished_ = true;
   point_->attach(nullptr);
   sink::Finish f;
   f.sequences = sequences;
+  f.timings_json = timings_json;
   std::exception_ptr error;
   ring::RingStats stats;
   try {

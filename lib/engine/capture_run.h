@@ -49,7 +49,9 @@ class CaptureRun {
   // Drains the ring and closes the sink with `status` (complete, interrupted
   // or failed). If draining fails, the file is closed as failed and the
   // error rethrown.
-  CaptureResult finish(const std::string& status, const std::vector<sink::SequenceInfo>& sequences);
+  // timings_json: the run's speed, stored as the root attribute "timings".
+  CaptureResult finish(const std::string& status, const std::vector<sink::SequenceInfo>& sequences,
+                       const std::string& timings_json = "");
 
  private:
   std::unique_ptr<hooks::CapturePoint> point_;

@@ -28,12 +28,24 @@ struct GenerateOptions {
   // Set from another thread (a signal handler) to stop after the current step.
   const std::atomic<bool>* stop = nullptr;
   hooks::Observer* observer = nullptr;
+  // Replay (engine/replay.h) reproduces a recorded run with these; all are
+  // optional. batches: the batches to run, as indices into the prompts, each
+  // prompt in at most one (default: consecutive groups of batch_size; a
+  // prompt in no batch is not run: "skipped"). interrupt_after: per prompt, stop it as "interrupted" once it has this
+  // many new tokens (-1: no limit).
+  std::vector<std::vector<std::size_t>> batches;
+  std::vector<std::int64_t> interrupt_after;
 };
 
 struct SequenceResult {
   std::vector<std::int32_t> prompt_ids;
   std::vector<std::int32_t> output_ids;
-  std::string finish_reason;  // "eos", "length", "context" or "interrupted"
+  // "eos", "length", "context", "interrupted" (stopped, or its batch never
+  // ran), or "skipped" (in none of GenerateOptions::batches)
+  std::string finish_reason;
+  // Where it ran: batch number, row in that batch, and left padding in
+  // tokens; -1 for a prompt that never ran (interrupted before its batch).
+  std::int32_t batch = -1, row = -1, left_pad = -1;
 };
 
 struct Timings {
@@ -50,8 +62,8 @@ class Generator {
   const Timings& timings() const { return timings_; }
 
  private:
-  void run_batch(const std::vector<std::vector<std::int32_t>>& prompts, std::size_t first,
-                 std::vector<SequenceResult>& out);
+  void run_batch(const std::vector<std::vector<std::int32_t>>& prompts, const std::vector<std::size_t>& members,
+                 std::int32_t batch_index, std::vector<SequenceResult>& out);
   model::CausalLM& model_;
   GenerateOptions opts_;
   Timings timings_;

@@ -1,12 +1,16 @@
 #include "engine/runtime.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <torch/version.h>
 #include <dlfcn.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
+#include <nlohmann/json.hpp>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -31,7 +35,70 @@ bool cpu_has(const char* flag) {
   return found;
 }
 
+std::string cpuinfo_field(const char* key) {
+  FILE* f = std::fopen("/proc/cpuinfo", "r");
+  if (!f) return "";
+  char line[8192];
+  std::string out;
+  while (std::fgets(line, sizeof line, f)) {
+    if (std::strncmp(line, key, std::strlen(key)) != 0) continue;
+    const char* colon = std::strchr(line, ':');
+    if (!colon) continue;
+    out = colon + 1;
+    while (!out.empty() && (out.front() == ' ' || out.front() == '\t')) out.erase(0, 1);
+    while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
+    break;
+  }
+  std::fclose(f);
+  return out;
+}
+
+// oneDNN's dnnl_cpu_isa_t values (oneDNN 2.x, dnnl_types.h).
+std::string onednn_isa() {
+  using GetIsa = int (*)();
+  auto fn = reinterpret_cast<GetIsa>(::dlsym(RTLD_DEFAULT, "dnnl_get_effective_cpu_isa"));
+  if (!fn) return "unknown";
+  switch (fn()) {
+    case 0x0: return "all";
+    case 0x1: return "sse41";
+    case 0x3: return "avx";
+    case 0x7: return "avx2";
+    case 0x407: return "avx2_vnni";
+    case 0xf: return "avx512_mic";
+    case 0x1f: return "avx512_mic_4ops";
+    case 0x27: return "avx512_core";
+    case 0x67: return "avx512_core_vnni";
+    case 0xe7: return "avx512_core_bf16";
+    case 0x3e7: return "avx512_core_amx";
+    default: return fmt::format("0x{:x}", fn());
+  }
+}
+
 }  // namespace
+
+std::string environment_json(int threads) {
+  nlohmann::json j;
+  j["dmi_version"] = DMI_VERSION;
+  j["libtorch_version"] = fmt::format("{}.{}.{}", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
+  j["cpu_model"] = cpuinfo_field("model name");
+  std::vector<std::string> flags;
+  for (const char* f : {"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                        "avx512_fp16", "amx_bf16", "amx_tile"})
+    if (cpu_has(f)) flags.emplace_back(f);
+  j["cpu_flags"] = flags;
+  // ATen's vectorized kernels: "CPU capability usage: AVX2" in show_config().
+  std::string aten = "unknown";
+  std::istringstream config(at::show_config());
+  for (std::string line; std::getline(config, line);)
+    if (auto k = line.find("CPU capability usage:"); k != std::string::npos) aten = line.substr(k + 22);
+  j["aten_cpu_capability"] = aten;
+  j["onednn_isa"] = onednn_isa();
+  using CoreName = char* (*)();
+  auto core = reinterpret_cast<CoreName>(::dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  j["openblas_core"] = core ? std::string(core()) : std::string("unknown");
+  j["threads"] = threads;
+  return j.dump();
+}
 
 void prepare_process_env(int argc, char** argv, MathOwner owner) {
   if (std::getenv("DMI_ENV_READY")) return;

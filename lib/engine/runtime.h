@@ -33,4 +33,11 @@ void prepare_process_env(int argc, char** argv, MathOwner owner);
 // number of online CPUs). Returns the count used.
 int configure_threads(int n);
 
+// What decides the numbers besides the model and the settings, as a JSON
+// object (text): dmi and LibTorch versions, the CPU model and its vector
+// flags, the kernels dispatched to (ATen's CPU capability, oneDNN's
+// effective ISA, OpenBLAS's core), and `threads`. Recorded in captures;
+// replay warns when it differs.
+std::string environment_json(int threads);
+
 }  // namespace dmi::engine

@@ -71,32 +71,48 @@ CapturePoint::CapturePoint(CaptureOptions opts, const io::ModelConfig& cfg, at::
 }
 
 void CapturePoint::begin_forward(const ForwardInfo& info) {
-  const bool prefill = info.step < 0;
-  bool take = false;
-  switch (opts_.tokens) {
-    case TokenPolicy::all: take = prefill || info.step % opts_.every == 0; break;
-    case TokenPolicy::prompt:
-    case TokenPolicy::last_prompt: take = prefill; break;
-    case TokenPolicy::generated: take = !prefill && info.step % opts_.every == 0; break;
-  }
   seq_.clear();
   pos_.clear();
   row_b_.clear();
   row_t_.clear();
   active_ = false;
-  if (!take || streams_.empty()) return;
+  if (streams_.empty()) return;
+  // Whether a token is captured: step is the decode step that fed it (-1: a
+  // prompt token), last_prompt whether it is its prompt's last token.
+  auto wanted = [&](std::int64_t step, bool last_prompt) {
+    const bool prompt = step < 0;
+    switch (opts_.tokens) {
+      case TokenPolicy::all: return prompt || step % opts_.every == 0;
+      case TokenPolicy::prompt: return prompt;
+      case TokenPolicy::last_prompt: return last_prompt;
+      case TokenPolicy::generated: return !prompt && step % opts_.every == 0;
+    }
+    return false;
+  };
+  const bool forced = !info.prompt_len.empty();
   const std::int64_t B = info.positions.size(0), T = info.positions.size(1);
   auto valid = info.valid.accessor<bool, 2>();
   auto pos = info.positions.accessor<std::int64_t, 2>();
   std::vector<std::int64_t> flat;
   for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t t = opts_.tokens == TokenPolicy::last_prompt ? T - 1 : 0; t < T; ++t) {
+    for (std::int64_t t = 0; t < T; ++t) {
       if (!valid[b][t]) continue;
+      const std::int64_t p = pos[b][t];
+      bool take;
+      if (forced) {
+        const std::int64_t plen = info.prompt_len[b];
+        take = wanted(p < plen ? -1 : p - plen, p == plen - 1);
+      } else {
+        // Prefill: prompts are left-padded, so each one ends in the last
+        // column. Decode step: one generated token per row.
+        take = wanted(info.step, info.step < 0 && t == T - 1);
+      }
+      if (!take) continue;
       flat.push_back(b * T + t);
       row_b_.push_back(b);
       row_t_.push_back(t);
       seq_.push_back(info.seq[b]);
-      pos_.push_back(static_cast<std::int32_t>(pos[b][t]));
+      pos_.push_back(static_cast<std::int32_t>(p));
     }
   active_ = !flat.empty();
   all_rows_ = static_cast<std::int64_t>(flat.size()) == B * T;
@@ -115,7 +131,8 @@ void CapturePoint::observe(Site site, int layer, const at::Tensor& t, const Forw
     // 0..pos of its own sequence (cache columns col - pos .. col), so its
     // values do not depend on padding or batch.
     const bool scores = site == Site::attn_scores;
-    fill = [&](at::Tensor& dst) {
+    // scores by value: fill runs inside push(), after this block's scope.
+    fill = [&, scores](at::Tensor& dst) {
       dst.fill_(scores ? -std::numeric_limits<double>::infinity() : 0.0);
       for (std::size_t r = 0; r < seq_.size(); ++r) {
         const std::int64_t p = pos_[r], col = info.start + row_t_[r];

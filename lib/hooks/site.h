@@ -56,6 +56,10 @@ struct ForwardInfo {
   std::int64_t start = 0;         // cache column of the first token
   std::vector<std::int32_t> seq;  // [B] index of each row's sequence among all prompts
   std::int32_t step = -1;         // -1: prefill; else the decode step
+  // Teacher forcing (replay): [B] prompt length of each row's sequence. The
+  // pass then holds prompt and generated tokens, and position p >= prompt_len
+  // stands for decode step p - prompt_len (token policies apply per token).
+  std::vector<std::int64_t> prompt_len;
 };
 
 // Receives tensors at HookPoints. wants() is asked first so that tensors an

@@ -36,6 +36,7 @@ WeightStore::WeightStore(const std::string& dir) {
   std::vector<std::string> shard_names;
   nlohmann::json weight_map;
   if (exists(index)) {
+    index_path_ = index;
     std::ifstream f(index);
     nlohmann::json j;
     try {
@@ -69,6 +70,23 @@ WeightStore::WeightStore(const std::string& dir) {
     DMI_CHECK(w != where_.end() && file_of_[w->second]->path() == dir + "/" + it.value().get<std::string>(),
               "{}: tensor '{}' is listed in {} but not found there", index, it.key(), it.value().get<std::string>());
   }
+}
+
+Fingerprint WeightStore::content_hashes() const {
+  Fingerprint fp;
+  auto base = [](const std::string& p) { return p.substr(p.rfind('/') + 1); };
+  if (!index_path_.empty()) fp[base(index_path_)] = sha256_file(index_path_);
+  for (const auto& f : files_) {
+    const auto m = f->mapping();
+    fp[base(f->path())] = xxh3_128(m->data(), m->size());
+  }
+  return fp;
+}
+
+std::size_t WeightStore::file_bytes() const {
+  std::size_t n = 0;
+  for (const auto& f : files_) n += f->mapping()->size();
+  return n;
 }
 
 at::Tensor WeightStore::get(const std::string& name, at::ScalarType dtype,

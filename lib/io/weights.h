@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "io/fingerprint.h"
 #include "io/safetensors.h"
 
 namespace dmi::io {
@@ -26,8 +27,13 @@ class WeightStore {
   // How many tensors were served as zero-copy views / as copies.
   std::size_t views() const { return views_; }
   std::size_t copies() const { return copies_; }
+  // XXH3-128 of every weight file (over the mapping the tensors are served
+  // from) and SHA-256 of the shard index, keyed by file name.
+  Fingerprint content_hashes() const;
+  std::size_t file_bytes() const;
 
  private:
+  std::string index_path_;  // empty for a single model.safetensors
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, const TensorView*> where_;
   std::map<const TensorView*, const SafetensorsFile*> file_of_;

@@ -2,6 +2,8 @@
 
 #include <sys/stat.h>
 
+#include <chrono>
+
 #include "common/error.h"
 #include "io/weights.h"
 #include "model/llama.h"
@@ -12,7 +14,18 @@ namespace dmi::model {
 std::unique_ptr<CausalLM> load_model(const std::string& dir, at::ScalarType dtype, const LoadOptions& opts) {
   struct stat st {};
   DMI_CHECK(::stat(dir.c_str(), &st) == 0, "{}: model directory does not exist", dir);
-  if (S_ISREG(st.st_mode)) return load_torchscript(dir, dtype, opts.hook_map);
+  auto seconds_since = [](std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  if (S_ISREG(st.st_mode)) {
+    auto m = load_torchscript(dir, dtype, opts.hook_map);
+    if (opts.fingerprint) {
+      const auto t0 = std::chrono::steady_clock::now();
+      io::Fingerprint fp{{dir.substr(dir.rfind('/') + 1), io::xxh3_128_file(dir)}};
+      m->set_weights_fingerprint(std::move(fp), seconds_since(t0), static_cast<std::size_t>(st.st_size));
+    }
+    return m;
+  }
   DMI_CHECK(S_ISDIR(st.st_mode),
             "{}: not a directory (expected an HF model directory with config.json, or a TorchScript .pt archive)", dir);
   DMI_CHECK(opts.hook_map.empty(), "--hook-map applies to TorchScript models only ({} is an HF directory)", dir);
@@ -21,7 +34,15 @@ std::unique_ptr<CausalLM> load_model(const std::string& dir, at::ScalarType dtyp
   // Every supported architecture is a member of the Llama family; the
   // variants (q/k/v biases, per-head q/k norms, sliding window) follow from
   // config.json and the weights present.
-  return std::make_unique<LlamaFamily>(std::move(cfg), weights, dtype);
+  auto m = std::make_unique<LlamaFamily>(std::move(cfg), weights, dtype);
+  if (opts.fingerprint) {
+    // After construction: the tensors served as views share these pages, so
+    // hashing is the read the first forward pass would do anyway.
+    const auto t0 = std::chrono::steady_clock::now();
+    io::Fingerprint fp = weights.content_hashes();
+    m->set_weights_fingerprint(std::move(fp), seconds_since(t0), weights.file_bytes());
+  }
+  return m;
 }
 
 std::string default_tokenizer_path(const std::string& model_path) {

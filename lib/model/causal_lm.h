@@ -11,6 +11,7 @@
 #include "hooks/selection.h"
 #include "hooks/site.h"
 #include "io/config.h"
+#include "io/fingerprint.h"
 
 namespace dmi::model {
 
@@ -36,6 +37,15 @@ struct ForwardInput {
   const hooks::ForwardInfo* info = nullptr;  // required when an observer is passed
 };
 
+struct LoadOptions {
+  // TorchScript only: a hook map (io/hook_map.h) whose sites are inserted
+  // into the module's graph.
+  std::string hook_map;
+  // Hash the weight files (or the archive) for the capture's model
+  // fingerprint (io/fingerprint.h).
+  bool fingerprint = false;
+};
+
 class CausalLM {
  public:
   virtual ~CausalLM() = default;
@@ -50,12 +60,21 @@ class CausalLM {
   virtual hooks::SiteSpace site_space() const {
     return {static_cast<int>(config().num_layers), config().qk_norm, {}};
   }
-};
+  // Content hashes of the weight files (or the TorchScript archive), when
+  // loaded with LoadOptions::fingerprint; and what computing them cost.
+  const io::Fingerprint& weights_fingerprint() const { return weights_fp_; }
+  double fingerprint_seconds() const { return fingerprint_seconds_; }
+  std::size_t fingerprint_bytes() const { return fingerprint_bytes_; }
+  void set_weights_fingerprint(io::Fingerprint fp, double seconds, std::size_t bytes) {
+    weights_fp_ = std::move(fp);
+    fingerprint_seconds_ = seconds;
+    fingerprint_bytes_ = bytes;
+  }
 
-struct LoadOptions {
-  // TorchScript only: a hook map (io/hook_map.h) whose sites are inserted
-  // into the module's graph.
-  std::string hook_map;
+ private:
+  io::Fingerprint weights_fp_;
+  double fingerprint_seconds_ = 0;
+  std::size_t fingerprint_bytes_ = 0;
 };
 
 // Loads an HF model directory (config.json + safetensors) or a TorchScript

@@ -119,10 +119,11 @@ std::unique_ptr<CaptureFile> CaptureFile::open(const std::string& path) {
   DMI_CHECK(read_text_attr(file, "format") == "dmi-capture", "{}: not a dmi capture (no format=\"dmi-capture\" attribute)",
             path);
   auto version = read_int_attr(file, "format_version");
-  DMI_CHECK(version && *version == kCaptureFormatVersion,
-            "{}: capture format version {} is not supported (this dmi reads version {}); re-run dmi-run to "
+  DMI_CHECK(version && *version >= kOldestReadableFormatVersion && *version <= kCaptureFormatVersion,
+            "{}: capture format version {} is not supported (this dmi reads versions {} to {}); re-run dmi-run to "
             "regenerate it",
-            path, version ? std::to_string(*version) : "missing", kCaptureFormatVersion);
+            path, version ? std::to_string(*version) : "missing", kOldestReadableFormatVersion, kCaptureFormatVersion);
+  f->format_version_ = static_cast<int>(*version);
 
   if (H5Lexists(file, "sequences", H5P_DEFAULT) > 0) {
     H5Handle g{H5Gopen2(file, "sequences", H5P_DEFAULT), H5Gclose};
@@ -133,6 +134,13 @@ std::unique_ptr<CaptureFile> CaptureFile::open(const std::string& path) {
     f->generated_text_ = read_strings(g.id, "generated_text", path);
     f->finish_reason_ = read_strings(g.id, "finish_reason", path);
     const std::size_t n = f->prompt_lengths_.size();
+    if (H5Lexists(g.id, "batch", H5P_DEFAULT) > 0) {
+      f->batch_ = read_all<std::int32_t>(g.id, "batch", H5T_NATIVE_INT32, path);
+      f->row_ = read_all<std::int32_t>(g.id, "row", H5T_NATIVE_INT32, path);
+      f->left_pad_ = read_all<std::int32_t>(g.id, "left_pad", H5T_NATIVE_INT32, path);
+      DMI_CHECK(f->batch_.size() == n && f->row_.size() == n && f->left_pad_.size() == n,
+                "{}: /sequences/batch, row and left_pad disagree in length with prompt_lengths: corrupt capture", path);
+    }
     DMI_CHECK(f->offsets_.size() == n + 1 && f->prompt_text_.size() == n && f->generated_text_.size() == n &&
                   f->finish_reason_.size() == n && f->offsets_.back() == static_cast<std::int64_t>(f->tokens_.size()),
               "{}: /sequences datasets disagree in length: corrupt capture", path);

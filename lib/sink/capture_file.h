@@ -53,6 +53,12 @@ class CaptureFile {
   const std::string& generated_text(std::size_t seq) const { return generated_text_.at(seq); }
   const std::string& finish_reason(std::size_t seq) const { return finish_reason_.at(seq); }
   bool has_sequences() const { return !offsets_.empty(); }
+  int format_version() const { return format_version_; }
+  // Batch composition (format 2): batch number, row, left padding per
+  // sequence, -1 where it did not run; empty for version 1 files.
+  const std::vector<std::int32_t>& batch_of() const { return batch_; }
+  const std::vector<std::int32_t>& row_of() const { return row_; }
+  const std::vector<std::int32_t>& left_pad_of() const { return left_pad_; }
 
   // The per-row index of a site.
   const std::vector<std::int32_t>& seq_of(const std::string& site) const;
@@ -78,7 +84,8 @@ class CaptureFile {
   std::vector<SiteEntry> sites_;
   std::map<std::string, std::size_t> site_index_;
   mutable std::map<std::string, std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>>> index_cache_;
-  std::vector<std::int32_t> tokens_, prompt_lengths_;
+  int format_version_ = 0;
+  std::vector<std::int32_t> tokens_, prompt_lengths_, batch_, row_, left_pad_;
   std::vector<std::int64_t> offsets_;
   std::vector<std::string> prompt_text_, generated_text_, finish_reason_;
 };

@@ -332,7 +332,7 @@ class Hdf5Sink final : public Sink {
         if (t) t->finish();
     hid_t g = H5Gcreate2(file_, "sequences", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
     DMI_CHECK(g >= 0, "{}: cannot create /sequences", path_);
-    std::vector<std::int32_t> tokens, prompt_lengths;
+    std::vector<std::int32_t> tokens, prompt_lengths, batch, row, left_pad;
     std::vector<std::int64_t> offsets{0};
     std::vector<std::string> prompts, texts, reasons;
     for (const auto& s : f.sequences) {
@@ -343,6 +343,9 @@ class Hdf5Sink final : public Sink {
       prompts.push_back(s.prompt);
       texts.push_back(s.text);
       reasons.push_back(s.finish_reason);
+      batch.push_back(s.batch);
+      row.push_back(s.row);
+      left_pad.push_back(s.left_pad);
     }
     write_vector(g, "tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, tokens);
     write_vector(g, "offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, offsets);
@@ -350,6 +353,9 @@ class Hdf5Sink final : public Sink {
     write_strings(g, "prompt_text", prompts);
     write_strings(g, "generated_text", texts);
     write_strings(g, "finish_reason", reasons);
+    write_vector(g, "batch", H5T_STD_I32LE, H5T_NATIVE_INT32, batch);
+    write_vector(g, "row", H5T_STD_I32LE, H5T_NATIVE_INT32, row);
+    write_vector(g, "left_pad", H5T_STD_I32LE, H5T_NATIVE_INT32, left_pad);
     H5Gclose(g);
     std::vector<std::int64_t> drops;
     for (std::size_t i = 0; i < streams_.size(); ++i) {
@@ -360,6 +366,7 @@ class Hdf5Sink final : public Sink {
     set_attr_ints(file_, "records_dropped_per_site", drops);
     set_attr_int(file_, "records_written", static_cast<std::int64_t>(f.records_written));
     set_attr_int(file_, "records_dropped", static_cast<std::int64_t>(f.records_dropped));
+    if (!f.timings_json.empty()) set_attr_text(file_, "timings", f.timings_json);
     set_attr_text(file_, "status", f.status);
     streams_.clear();
     if (sites_ >= 0) H5Gclose(sites_);

@@ -1,4 +1,4 @@
-// The dmi-capture HDF5 file (format "dmi-capture", version 1); the layout is
+// The dmi-capture HDF5 file (format "dmi-capture", version 2); the layout is
 // documented in docs/capture-format.md and schemas/dmi-capture.schema.json.
 #pragma once
 
@@ -9,7 +9,10 @@
 
 namespace dmi::sink {
 
-constexpr int kCaptureFormatVersion = 1;
+// Version 2 added the run record (model fingerprint, settings, environment,
+// batch composition) that replay needs; readers accept 1 and 2.
+constexpr int kCaptureFormatVersion = 2;
+constexpr int kOldestReadableFormatVersion = 1;
 
 // compression: "none", "gzip:N" (N = 1..9) or "shuffle+gzip:N": filters
 // every HDF5 reader (h5py included) has without plugins.

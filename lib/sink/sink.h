@@ -35,6 +35,8 @@ struct RunInfo {
 struct SequenceInfo {
   std::string prompt, text, finish_reason;
   std::vector<std::int32_t> prompt_ids, output_ids;
+  // Batch composition: batch number, row in it, left padding (-1: not run).
+  std::int32_t batch = -1, row = -1, left_pad = -1;
 };
 
 struct Finish {
@@ -42,6 +44,7 @@ struct Finish {
   std::uint64_t records_written = 0, records_dropped = 0;
   std::vector<std::uint64_t> dropped_per_stream;
   std::vector<SequenceInfo> sequences;
+  std::string timings_json;  // root attribute "timings" when not empty
 };
 
 class Sink {

@@ -64,12 +64,22 @@ runs = [(ts_model, ["--hooks", "resid_post,pattern,logits", "--logits", "topk:3"
         ("qwen3-qknorm-bf16-misaligned", ["--hooks", "full", "--logits", "topk:5"]),
         ("llama-gqa-f32", ["--hooks", "residual,kv", "--capture-dtype", "bfloat16", "--compression", "shuffle+gzip:4"]),
         ("mistral-window-bf16-sharded", ["--hooks", "hf-hidden-states,pattern", "--capture-dtype", "float16"])]
-for model, extra in runs:
-    out = os.path.join(tmp, os.path.basename(model) + ".h5")
-    r = subprocess.run([dmi_run, "-q", "--model", os.path.join(models, model), "--prompt", "LOVE, n.",
-                        "--prompt", "WAR", "-b", "2", "-n", "4", "-o", out] + extra, capture_output=True, text=True)
+# And replays of the TorchScript capture (exact, bit for bit) and of the
+# Qwen3 one (forced, deeper selection).
+runs += [(None, ["--replay", os.path.join(tmp, "llama.pt.h5"), "--verify"]),
+         (None, ["--replay", os.path.join(tmp, "qwen3-qknorm-bf16-misaligned.h5"), "--replay-mode", "forced",
+                 "--hooks", "full,kv", "--verify"])]
+for i, (model, extra) in enumerate(runs):
+    if model is None:
+        out = os.path.join(tmp, f"replay-{i}.h5")
+        args = [dmi_run, "-q", "-o", out] + extra
+    else:
+        out = os.path.join(tmp, os.path.basename(model) + ".h5")
+        args = [dmi_run, "-q", "--model", os.path.join(models, model), "--prompt", "LOVE, n.", "--prompt", "WAR",
+                "-b", "2", "-n", "4", "-o", out] + extra
+    r = subprocess.run(args, capture_output=True, text=True)
     if r.returncode != 0:
-        sys.exit(f"FAIL: dmi-run {extra}: {r.stderr}")
+        sys.exit(f"FAIL: dmi-run {extra}: {r.stdout} {r.stderr}")
     with h5py.File(out, "r") as f:
         doc = describe(f)
         jsonschema.validate(doc, schema)
@@ -82,5 +92,17 @@ for model, extra in runs:
         off = f["sequences/offsets"][:]
         if off[0] != 0 or off[-1] != f["sequences/tokens"].shape[0]:
             sys.exit("FAIL: offsets")
-    print(f"{os.path.basename(model)} {' '.join(extra)}: valid ({len(doc['sites'])} sites)")
+        # The JSON-valued attributes parse and hold what the format promises.
+        fp = json.loads(f.attrs["model_fingerprint"])
+        if not fp or not all(v.startswith(("sha256:", "xxh3-128:")) for v in fp.values()) or \
+                "tokenizer.json" not in fp:
+            sys.exit(f"FAIL: model_fingerprint {fp}")
+        env = json.loads(f.attrs["environment"])
+        for k in ["dmi_version", "libtorch_version", "cpu_model", "cpu_flags", "aten_cpu_capability", "onednn_isa",
+                  "openblas_core", "threads"]:
+            if k not in env:
+                sys.exit(f"FAIL: environment lacks {k}")
+        if model is None and json.loads(f.attrs["replay_of"])["mode"] not in ("exact", "forced"):
+            sys.exit("FAIL: replay_of")
+    print(f"{os.path.basename(model or 'replay')} {' '.join(extra)}: valid ({len(doc['sites'])} sites)")
 print("ok")

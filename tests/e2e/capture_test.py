@@ -71,7 +71,7 @@ if case == "reference":
     out = os.path.join(tmp, "full.h5")
     summary = run(out, "--hooks", "full", "--dtype", "float32", "--capture-dtype", "float32")
     f = h5py.File(out, "r")
-    if f.attrs["format"] != "dmi-capture" or f.attrs["format_version"] != 1 or f.attrs["status"] != "complete":
+    if f.attrs["format"] != "dmi-capture" or f.attrs["format_version"] != 2 or f.attrs["status"] != "complete":
         fail("root attributes")
     cfg = ref.Config(json.loads(f.attrs["model_config"]))
     width = int(f.attrs["attention_width"])

@@ -203,11 +203,11 @@ elif case == "bad-files":
         f.attrs["format"] = "something-else"
     if "not a dmi capture" not in tool(INSPECT, other, "summary", rc=2).stderr:
         fail("foreign HDF5 file")
-    v2 = os.path.join(tmp, "v2.h5")
-    shutil.copy(full, v2)
-    with h5py.File(v2, "r+") as f:
-        f.attrs["format_version"] = 2
-    if "version 2 is not supported" not in tool(INSPECT, v2, "summary", rc=2).stderr:
+    v3 = os.path.join(tmp, "v3.h5")
+    shutil.copy(full, v3)
+    with h5py.File(v3, "r+") as f:
+        f.attrs["format_version"] = 3
+    if "version 3 is not supported" not in tool(INSPECT, v3, "summary", rc=2).stderr:
         fail("format version")
     trunc = os.path.join(tmp, "trunc.h5")
     raw = open(full, "rb").read()

@@ -1,0 +1,160 @@
+#include "engine/run.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+#include "engine/runtime.h"
+
+namespace dmi::engine {
+
+namespace {
+
+bool is_file(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+std::string dir_of(const std::string& p) {
+  const auto slash = p.rfind('/');
+  return slash == std::string::npos ? std::string(".") : p.substr(0, slash);
+}
+
+}  // namespace
+
+LoadedModel load_for_run(const RunSettings& s, bool fingerprint) {
+  LoadedModel m;
+  m.tokenizer_path = s.tokenizer_path.empty() ? model::default_tokenizer_path(s.model_path) : s.tokenizer_path;
+  const at::ScalarType dtype = s.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  model::LoadOptions lo;
+  lo.hook_map = s.hook_map;
+  lo.fingerprint = fingerprint;
+  m.model = model::load_model(s.model_path, dtype, lo);
+  m.tokenizer = std::make_unique<io::Tokenizer>(io::Tokenizer::load(m.tokenizer_path));
+  if (fingerprint) {
+    m.fingerprint = m.model->weights_fingerprint();
+    // config.json: an HF directory's, or the one next to a TorchScript file
+    // when there is one (otherwise it is inside the hashed archive).
+    const bool torchscript = is_file(s.model_path);
+    const std::string config = (torchscript ? dir_of(s.model_path) : s.model_path) + "/config.json";
+    if (!torchscript || is_file(config)) m.fingerprint["config.json"] = io::sha256_file(config);
+    m.fingerprint["tokenizer.json"] = io::sha256_file(m.tokenizer_path);
+    const std::string tok_config = dir_of(m.tokenizer_path) + "/tokenizer_config.json";
+    if (is_file(tok_config)) m.fingerprint["tokenizer_config.json"] = io::sha256_file(tok_config);
+    if (!s.hook_map.empty()) m.fingerprint["hook_map"] = io::sha256_file(s.hook_map);
+  }
+  return m;
+}
+
+sink::RunInfo make_run_info(const RunSettings& s, const LoadedModel& m, std::int64_t attention_width) {
+  const auto& cfg = m.model->config();
+  const auto& c = s.capture;
+  nlohmann::json fp(m.fingerprint);
+  std::vector<std::int64_t> eos = s.ignore_eos ? std::vector<std::int64_t>{} : cfg.eos_token_ids;
+  sink::RunInfo info;
+  info.text = {{"tool", "dmi-run"},
+               {"tool_version", DMI_VERSION},
+               {"command_line", s.command_line},
+               {"model_path", s.model_path},
+               {"architecture", cfg.architecture},
+               {"model_config", cfg.json_text},
+               {"tokenizer_path", m.tokenizer_path},
+               {"hook_map", s.hook_map},
+               {"model_fingerprint", fp.dump()},
+               {"selection", c.hooks},
+               {"token_policy", c.tokens},
+               {"logits", c.logits},
+               {"capture_dtype", c.capture_dtype == "model" ? s.dtype : c.capture_dtype},
+               {"compute_dtype", s.dtype},
+               {"on_full", c.on_full},
+               {"transport", c.transport},
+               {"sampling", nlohmann::json{{"temperature", s.sampling.temperature},
+                                           {"top_k", s.sampling.top_k},
+                                           {"top_p", s.sampling.top_p}}
+                                .dump()},
+               {"eos_token_ids", nlohmann::json(eos).dump()},
+               {"environment", environment_json(s.threads)}};
+  info.ints = {{"every", c.every},
+               {"seed", static_cast<std::int64_t>(s.sampling.seed)},
+               {"max_new_tokens", s.max_new_tokens},
+               {"batch_size", s.batch_size},
+               {"threads", s.threads},
+               {"ignore_eos", s.ignore_eos ? 1 : 0},
+               {"add_special_tokens", s.add_special_tokens ? 1 : 0},
+               {"n_layers", cfg.num_layers},
+               {"attention_width", attention_width}};
+  return info;
+}
+
+std::vector<sink::SequenceInfo> sequence_infos(const Job& job, const std::vector<SequenceResult>& results,
+                                               const io::Tokenizer& tok) {
+  std::vector<sink::SequenceInfo> seqs;
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    const auto& r = results[i];
+    sink::SequenceInfo si{job.prompt_texts.at(i), tok.decode(r.output_ids, true), r.finish_reason, r.prompt_ids,
+                          r.output_ids};
+    si.batch = r.batch;
+    si.row = r.row;
+    si.left_pad = r.left_pad;
+    seqs.push_back(std::move(si));
+  }
+  return seqs;
+}
+
+std::string timings_json(const Timings& t) {
+  return nlohmann::json{{"prefill_tokens", t.prefill_tokens},
+                        {"prefill_seconds", t.prefill_seconds},
+                        {"decode_tokens", t.decode_tokens},
+                        {"decode_seconds", t.decode_seconds}}
+      .dump();
+}
+
+RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const std::atomic<bool>* stop,
+                  std::function<void(std::size_t, std::size_t)> on_progress) {
+  const auto& cfg = m.model->config();
+  DMI_CHECK(job.prompt_texts.size() == job.prompts.size(), "one prompt text per prompt");
+  GenerateOptions opts;
+  opts.max_new_tokens = s.max_new_tokens;
+  opts.batch_size = s.batch_size;
+  opts.sampling = s.sampling;
+  if (!s.ignore_eos) opts.eos_ids = cfg.eos_token_ids;
+  opts.stop = stop;
+  opts.on_progress = std::move(on_progress);
+  opts.batches = job.batches;
+  opts.interrupt_after = job.interrupt_after;
+
+  // Capture: the file is created only now, after all input was checked.
+  std::unique_ptr<CaptureRun> capture;
+  if (!s.capture.hooks.empty()) {
+    std::int64_t width = job.attention_width;
+    if (width == 0)
+      for (const auto& p : job.prompts)
+        width = std::max<std::int64_t>(
+            width, std::min<std::int64_t>(p.size() + s.max_new_tokens, cfg.max_position_embeddings));
+    sink::RunInfo info = make_run_info(s, m, width);
+    for (const auto& a : job.extra_attributes) info.text.push_back(a);
+    const at::ScalarType dtype = s.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+    capture = std::make_unique<CaptureRun>(s.capture, cfg, m.model->site_space(), dtype, width, info);
+    opts.observer = capture->observer();
+  }
+
+  Generator gen(*m.model, opts);
+  RunOutput out;
+  try {
+    out.results = gen.generate(job.prompts);
+  } catch (...) {
+    if (capture) capture->finish("failed", {});  // the file stays readable
+    throw;
+  }
+  out.timings = gen.timings();
+  if (capture) {
+    out.capture = capture->finish(stop && stop->load() ? "interrupted" : "complete",
+                                  sequence_infos(job, out.results, *m.tokenizer), timings_json(out.timings));
+    out.capture_sites = capture->streams().size();
+  }
+  return out;
+}
+
+}  // namespace dmi::engine

@@ -1,0 +1,92 @@
+// One dmi-run invocation as a library call: settings and prompts in,
+// generated sequences and (optionally) a capture file out. dmi-run's flags
+// map onto RunSettings; replay (engine/replay.h) rebuilds RunSettings from a
+// capture's record and runs the same code.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/capture_run.h"
+#include "engine/generator.h"
+#include "engine/sampler.h"
+#include "io/fingerprint.h"
+#include "io/tokenizer.h"
+#include "model/causal_lm.h"
+
+namespace dmi::engine {
+
+// Everything that decides the numbers of a run (with the prompts), as
+// recorded in a capture's root attributes (docs/capture-format.md).
+struct RunSettings {
+  std::string model_path;      // HF directory or TorchScript .pt
+  std::string tokenizer_path;  // empty: model::default_tokenizer_path
+  std::string hook_map;        // TorchScript only
+  std::string dtype = "float32";
+  int threads = 1;             // as configured (engine::configure_threads)
+  std::int64_t max_new_tokens = 32, batch_size = 1;
+  SamplingOptions sampling;
+  bool ignore_eos = false;
+  bool add_special_tokens = true;
+  CaptureConfig capture;       // capture.hooks empty: nothing captured
+  std::string command_line;
+};
+
+// A model and tokenizer loaded for a run, with the fingerprint of the files
+// they came from (when capturing).
+struct LoadedModel {
+  std::unique_ptr<model::CausalLM> model;
+  std::unique_ptr<io::Tokenizer> tokenizer;
+  std::string tokenizer_path;
+  // config.json, tokenizer.json, tokenizer_config.json (SHA-256) and the
+  // weight files or the archive (XXH3-128); empty unless fingerprinted.
+  io::Fingerprint fingerprint;
+};
+LoadedModel load_for_run(const RunSettings& s, bool fingerprint);
+
+// The prompts of a run and how to batch them.
+struct Job {
+  std::vector<std::vector<std::int32_t>> prompts;  // token ids, checked by the generator
+  std::vector<std::string> prompt_texts;           // as given (text prompts) or decoded (id prompts)
+  // Optional (replay): explicit batches and per-prompt interruption points;
+  // see GenerateOptions.
+  std::vector<std::vector<std::size_t>> batches;
+  std::vector<std::int64_t> interrupt_after;
+  // Root attributes added to the capture's (replay_of, ...).
+  std::vector<std::pair<std::string, std::string>> extra_attributes;
+  // Attention row width of the capture; 0: the longest sequence this run can
+  // produce.
+  std::int64_t attention_width = 0;
+};
+
+struct RunOutput {
+  std::vector<SequenceResult> results;
+  Timings timings;
+  std::optional<CaptureResult> capture;
+  std::size_t capture_sites = 0;
+};
+
+// Generates (and captures, when s.capture.hooks is set). The capture file is
+// created only once everything was checked; it is closed as "complete",
+// "interrupted" (stop was set) or "failed" (an exception, rethrown).
+RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const std::atomic<bool>* stop,
+                  std::function<void(std::size_t, std::size_t)> on_progress);
+
+// The /sequences entries of a finished run.
+std::vector<sink::SequenceInfo> sequence_infos(const Job& job, const std::vector<SequenceResult>& results,
+                                               const io::Tokenizer& tok);
+
+// {"prefill_tokens", "prefill_seconds", "decode_tokens", "decode_seconds"}
+// as JSON text, for the capture's "timings" attribute.
+std::string timings_json(const Timings& t);
+
+// The capture's root attributes for a run (its record).
+sink::RunInfo make_run_info(const RunSettings& s, const LoadedModel& m, std::int64_t attention_width);
+
+}  // namespace dmi::engine

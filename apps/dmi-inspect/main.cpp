@@ -144,6 +144,12 @@ int cmd_summary(const CaptureFile& f, const Options& o) {
     j[k] = f.text_attr(k);
   for (const char* k : {"every", "records_written", "records_dropped", "seed"}) j[k] = f.int_attr(k).value_or(0);
   j["sequences"] = f.n_sequences();
+  j["format_version"] = f.format_version();
+  // The run record (format 2): what a replay needs, and where a replay came from.
+  j["fingerprinted"] = !f.text_attr("model_fingerprint").empty();
+  if (auto t = f.int_attr("threads")) j["threads"] = *t;
+  if (auto b = f.int_attr("batch_size")) j["batch_size"] = *b;
+  if (auto r = json::parse(f.text_attr("replay_of"), nullptr, false); r.is_object()) j["replay_of"] = r;
   std::uint64_t stored = 0, raw = 0;
   j["sites"] = json::array();
   for (const auto& s : f.sites()) {
@@ -167,6 +173,14 @@ int cmd_summary(const CaptureFile& f, const Options& o) {
   fmt::print("  tokens       {} (every {} decode steps), logits {}\n", j["token_policy"].get<std::string>(),
              j["every"].get<std::int64_t>(), j["logits"].get<std::string>());
   fmt::print("  status       {}\n", j["status"].get<std::string>());
+  if (j.contains("threads"))
+    fmt::print("  run          batch size {}, {} threads, format {}{}\n", j.value("batch_size", std::int64_t{0}),
+               j["threads"].get<std::int64_t>(), f.format_version(),
+               j["fingerprinted"].get<bool>() ? ", model fingerprinted (replayable)" : "");
+  if (j.contains("replay_of"))
+    fmt::print("  replay of    {} ({}, fingerprint {})\n", j["replay_of"].value("source", std::string("?")),
+               j["replay_of"].value("mode", std::string("?")),
+               j["replay_of"].value("fingerprint_matched", false) ? "matched" : "differed");
   fmt::print("  records      {} written, {} dropped\n", j["records_written"].get<std::int64_t>(),
              j["records_dropped"].get<std::int64_t>());
   fmt::print("  sequences    {}\n", f.n_sequences());

@@ -180,16 +180,25 @@ def rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-def forward(cfg, w, ids, dtype=torch.float32, record=None):
+def forward(cfg, w, ids, dtype=torch.float32, record=None, intervene=None):
     """Full (no-cache) forward of one sequence. ids: list of ints.
     Returns logits [T, vocab] in float32. record(name, tensor) receives every
-    intermediate under its TransformerLens name (tensors shaped [T, ...])."""
-    rec = record or (lambda n, t: None)
+    intermediate under its TransformerLens name (tensors shaped [T, ...]);
+    intervene(name, tensor) may return a replacement, which the forward pass
+    continues with (and record sees)."""
+    rec_ = record or (lambda n, t: None)
+
+    def rec(name, t):
+        if intervene is not None:
+            t = intervene(name, t)
+        rec_(name, t)
+        return t
+
     W = {k: v.to(dtype) for k, v in w.items()}
     T = len(ids)
     ids_t = torch.tensor(ids, dtype=torch.long)
     x = W["model.embed_tokens.weight"][ids_t]
-    rec("hook_embed", x)
+    x = rec("hook_embed", x)
     pos = torch.arange(T, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq(cfg)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -202,9 +211,9 @@ def forward(cfg, w, ids, dtype=torch.float32, record=None):
     for l in range(cfg.n_layers):
         p = f"model.layers.{l}."
         b = f"blocks.{l}."
-        rec(b + "hook_resid_pre", x)
+        x = rec(b + "hook_resid_pre", x)
         h = rms_norm(x, W[p + "input_layernorm.weight"], cfg.eps)
-        rec(b + "ln1.hook_normalized", h)
+        h = rec(b + "ln1.hook_normalized", h)
 
         def lin(name, inp, bias):
             return torch.nn.functional.linear(inp, W[p + name + ".weight"], W[p + name + ".bias"] if bias else None)
@@ -212,18 +221,18 @@ def forward(cfg, w, ids, dtype=torch.float32, record=None):
         q = lin("self_attn.q_proj", h, cfg.qkv_bias).view(T, H, D)
         k = lin("self_attn.k_proj", h, cfg.qkv_bias).view(T, KV, D)
         v = lin("self_attn.v_proj", h, cfg.qkv_bias).view(T, KV, D)
-        rec(b + "attn.hook_q", q)
-        rec(b + "attn.hook_k", k)
-        rec(b + "attn.hook_v", v)
+        q = rec(b + "attn.hook_q", q)
+        k = rec(b + "attn.hook_k", k)
+        v = rec(b + "attn.hook_v", v)
         if cfg.qk_norm:
             q = rms_norm(q, W[p + "self_attn.q_norm.weight"], cfg.eps)
             k = rms_norm(k, W[p + "self_attn.k_norm.weight"], cfg.eps)
-            rec(b + "attn.q_norm.hook_normalized", q)
-            rec(b + "attn.k_norm.hook_normalized", k)
+            q = rec(b + "attn.q_norm.hook_normalized", q)
+            k = rec(b + "attn.k_norm.hook_normalized", k)
         q = q * cos[:, None, :] + rotate_half(q) * sin[:, None, :]
         k = k * cos[:, None, :] + rotate_half(k) * sin[:, None, :]
-        rec(b + "attn.hook_rot_q", q)
-        rec(b + "attn.hook_rot_k", k)
+        q = rec(b + "attn.hook_rot_q", q)
+        k = rec(b + "attn.hook_rot_k", k)
         rep = H // KV
         kk = k.repeat_interleave(rep, dim=1)  # HF repeat_kv: head h uses kv head h // rep
         vv = v.repeat_interleave(rep, dim=1)
@@ -231,46 +240,46 @@ def forward(cfg, w, ids, dtype=torch.float32, record=None):
         # HF adds finfo.min; -inf gives the same softmax and is what
         # TransformerLens's hook_attn_scores shows for masked entries.
         scores = scores.masked_fill(~allowed, float("-inf"))
-        rec(b + "attn.hook_attn_scores", scores.transpose(0, 1))
+        scores = rec(b + "attn.hook_attn_scores", scores.transpose(0, 1)).transpose(0, 1)
         pattern = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
-        rec(b + "attn.hook_pattern", pattern.transpose(0, 1))
+        pattern = rec(b + "attn.hook_pattern", pattern.transpose(0, 1)).transpose(0, 1)
         z = torch.matmul(pattern, vv.transpose(0, 1)).transpose(0, 1)  # [T, H, D]
-        rec(b + "attn.hook_z", z)
+        z = rec(b + "attn.hook_z", z)
         attn_out = lin("self_attn.o_proj", z.reshape(T, H * D), cfg.o_bias)
-        rec(b + "hook_attn_out", attn_out)
+        attn_out = rec(b + "hook_attn_out", attn_out)
         x = x + attn_out
-        rec(b + "hook_resid_mid", x)
+        x = rec(b + "hook_resid_mid", x)
         h = rms_norm(x, W[p + "post_attention_layernorm.weight"], cfg.eps)
-        rec(b + "ln2.hook_normalized", h)
+        h = rec(b + "ln2.hook_normalized", h)
         gate = lin("mlp.gate_proj", h, False)
         up = lin("mlp.up_proj", h, False)
-        rec(b + "mlp.hook_pre", gate)
-        rec(b + "mlp.hook_pre_linear", up)
+        gate = rec(b + "mlp.hook_pre", gate)
+        up = rec(b + "mlp.hook_pre_linear", up)
         act = torch.nn.functional.silu(gate) * up
-        rec(b + "mlp.hook_post", act)
+        act = rec(b + "mlp.hook_post", act)
         mlp_out = lin("mlp.down_proj", act, False)
-        rec(b + "hook_mlp_out", mlp_out)
+        mlp_out = rec(b + "hook_mlp_out", mlp_out)
         x = x + mlp_out
-        rec(b + "hook_resid_post", x)
+        x = rec(b + "hook_resid_post", x)
     x = rms_norm(x, W["model.norm.weight"], cfg.eps)
-    rec("ln_final.hook_normalized", x)
+    x = rec("ln_final.hook_normalized", x)
     head = W["model.embed_tokens.weight"] if cfg.tie else W["lm_head.weight"]
     logits = torch.nn.functional.linear(x, head)
-    rec("unembed.hook_out", logits)
+    logits = rec("unembed.hook_out", logits)
     return logits.float()
 
 
-def greedy(cfg, w, ids, n_new, dtype=torch.float32, eos=()):
+def greedy(cfg, w, ids, n_new, dtype=torch.float32, eos=(), intervene=None):
     """Greedy decode by full recomputation (no KV cache): independent of the
     engine's cache logic. Returns (new ids, logits of every step [T+n-1, V])."""
     seq = list(ids)
     out = []
     logits = None
     for _ in range(n_new):
-        logits = forward(cfg, w, seq, dtype)
+        logits = forward(cfg, w, seq, dtype, intervene=intervene)
         nxt = int(torch.argmax(logits[-1]))
         out.append(nxt)
         seq.append(nxt)
         if nxt in eos:
             break
-    return out, forward(cfg, w, seq[:-1], dtype) if out else logits
+    return out, forward(cfg, w, seq[:-1], dtype, intervene=intervene) if out else logits

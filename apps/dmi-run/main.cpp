@@ -13,6 +13,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 
 #include "app_main.h"
 #include "common/error.h"
@@ -47,6 +48,10 @@ struct Args {
   bool json = false, no_special = false, quiet = false, ignore_eos = false;
   dmi::engine::CaptureConfig capture;
   std::string command_line;
+  // interventions, in the order given (read from argv: the order across flags matters)
+  std::vector<dmi::engine::InterventionRequest> interventions;
+  std::vector<std::string> steer, ablate, patch;
+  bool capture_before = false;
   // --replay
   std::string replay, replay_mode = "exact", seqs;
   bool verify = false, allow_mismatch = false;
@@ -153,19 +158,28 @@ int run(const Args& a) {
   s.add_special_tokens = !a.no_special;
   s.capture = a.capture;
   s.command_line = a.command_line;
+  s.interventions = a.interventions;
+  s.capture_before_interventions = a.capture_before;
+  for (const auto& r : s.interventions) engine::check_intervention_syntax(r);
 
   // Prompts first: they are cheap to check and the model is not.
   std::vector<engine::PromptSpec> specs;
   if (!a.prompts_file.empty()) specs = engine::read_prompts_file(a.prompts_file);
   for (const auto& p : a.prompts) {
     DMI_CHECK(io::valid_utf8(p), "--prompt is not valid UTF-8");
-    specs.push_back({p, {}, false});
+    specs.push_back({p, {}, false, {}});
   }
-  for (const auto& p : a.prompt_ids) specs.push_back({"", engine::parse_id_list(p), true});
-  if (specs.empty()) specs.push_back({kDefaultPrompt, {}, false});
+  for (const auto& p : a.prompt_ids) specs.push_back({"", engine::parse_id_list(p), true, {}});
+  if (specs.empty()) specs.push_back({kDefaultPrompt, {}, false, {}});
+  for (std::size_t i = 0; i < specs.size(); ++i)
+    for (const auto& spec : specs[i].steer) {
+      s.interventions.push_back({"steer", spec, std::set<std::int32_t>{static_cast<std::int32_t>(i)}});
+      engine::check_intervention_syntax(s.interventions.back());
+    }
 
-  // A capture records the model's fingerprint (for --replay).
-  engine::LoadedModel m = engine::load_for_run(s, /*fingerprint=*/capturing);
+  // A capture records the model's fingerprint (for --replay); patches and
+  // ablations check their reference captures against it.
+  engine::LoadedModel m = engine::load_for_run(s, /*fingerprint=*/capturing || !s.interventions.empty());
   engine::Job job;
   for (std::size_t i = 0; i < specs.size(); ++i) {
     job.prompts.push_back(specs[i].has_ids ? specs[i].ids : m.tokenizer->encode(specs[i].text, s.add_special_tokens));
@@ -332,6 +346,9 @@ int main(int argc, char** argv) {
       "  dmi-run --hooks full --sink null --json             # transport only, data discarded\n"
       "  dmi-run --model model.pt --hooks resid_post -o ts.h5   # TorchScript (docs/torchscript.md)\n"
       "  dmi-run --model plain.pt --hook-map layers.json --hooks resid_post -o ts.h5\n"
+      "  dmi-run --steer happy.safetensors,scale=4,layers=2-3 --prompt 'LOVE, n.'   # steering\n"
+      "  dmi-run --ablate 'blocks.1.attn.hook_z,heads=0=zero' --hooks z -o abl.h5\n"
+      "  dmi-run --patch clean.h5,site=blocks.0.hook_resid_pre --prompt-ids 5,6,7 -o patched.h5\n"
       "  dmi-run --replay run.h5 --verify                   # re-run a capture, prove it bit-identical\n"
       "  dmi-run --replay run.h5 --replay-mode forced --hooks full -o deep.h5 --seq 3,7   # add sites\n"
       "\nExit status: 0 ok, 2 bad input (one line on stderr), 130 interrupted, 1 internal error;\n"
@@ -394,6 +411,19 @@ int main(int argc, char** argv) {
                   "ring (async Ring², the default), or for comparison: sync (hooks write inline), materialize "
                   "(keep everything, write at the end)")
       ->capture_default_str();
+  auto* iv = app.add_option_group("Interventions", "steer, ablate and patch sites (docs/steering.md); applied in "
+                                                   "the order given, recorded in the capture, reproduced by --replay");
+  auto* steer = iv->add_option("--steer", a.steer,
+                               "FILE[,scale=A][,layers=0-3,10][,pos=all|prompt|generated|last-prompt|a:b|1,4|after:TEXT]"
+                               "[,mode=add|normadd|set|ablate][,site=resid_post|resid_pre|resid_mid|attn_out|mlp_out]"
+                               "[,target=C]: add a steering vector (safetensors, GGUF or HDF5) at block outputs");
+  auto* ablate = iv->add_option("--ablate", a.ablate,
+                                "SITE[,heads=0,2][,pos=..]=zero|mean:REF.h5|posmean:REF.h5|resample:REF.h5[:SEQ]");
+  auto* patch = iv->add_option("--patch", a.patch,
+                               "SRC.h5[,site=SITES][,pos=..][,src-seq=N][,src-pos=N]: replace activations with SRC's "
+                               "captured ones");
+  auto* before = iv->add_flag("--capture-before-interventions", a.capture_before,
+                              "captured sites record values before the interventions at that site (default: after)");
   auto* rep = app.add_option_group("Replay", "re-run a capture from its own record (docs/replay.md)");
   rep->add_option("--replay", a.replay,
                   "capture file to replay: its prompts, batches, sampling, seed, dtypes and threads, on its model "
@@ -413,13 +443,22 @@ int main(int argc, char** argv) {
   a.rtol_flag = rep->add_option("--rtol", a.rtol, "--verify relative tolerance (default: by dtype)")
                     ->check(CLI::NonNegativeNumber);
   a.recorded_settings = {hook_map, prompt, prompts, prompt_ids, max_new, dtype, temperature, top_k, top_p, seed,
-                         no_special, ignore_eos};
+                         no_special, ignore_eos, steer, ablate, patch, before};
   app.add_flag("-q,--quiet", a.quiet, "no progress or timing lines on stderr");
   for (int i = 0; i < argc; ++i) a.command_line += (i ? " " : "") + shell_quote(argv[i]);
   if (int rc = dmi::apps::parse_args("dmi-run", app, argc, argv); rc >= 0) return rc;
   if (a.top_p <= 0.0) {
     std::fprintf(stderr, "dmi-run: error: --top-p must be in (0, 1] (see --help)\n");
     return 2;
+  }
+  // Interventions in argv order (CLI11 groups values per flag).
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    for (const char* kind : {"steer", "ablate", "patch"}) {
+      const std::string flag = std::string("--") + kind;
+      if (arg == flag && i + 1 < argc) a.interventions.push_back({kind, argv[i + 1], std::nullopt});
+      else if (arg.rfind(flag + "=", 0) == 0) a.interventions.push_back({kind, arg.substr(flag.size() + 1), std::nullopt});
+    }
   }
   const bool replaying = !a.replay.empty();
   if (!replaying && (a.verify || a.allow_mismatch || !a.seqs.empty() || a.atol_flag->count() || a.rtol_flag->count())) {

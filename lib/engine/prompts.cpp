@@ -52,6 +52,18 @@ std::vector<PromptSpec> read_prompts_file(const std::string& path) {
     }
     DMI_CHECK(j.is_object() && (j.contains("text") != j.contains("ids")),
               "{}:{}: each JSON line needs exactly one of \"text\" or \"ids\"", path, lineno);
+    if (j.contains("steer")) {
+      DMI_CHECK(j["steer"].is_array(), "{}:{}: \"steer\" must be a list of --steer specs", path, lineno);
+      for (const auto& v : j["steer"]) {
+        DMI_CHECK(v.is_string() && !v.get<std::string>().empty(), "{}:{}: \"steer\" must hold non-empty strings",
+                  path, lineno);
+        p.steer.push_back(v.get<std::string>());
+      }
+    }
+    for (auto it = j.begin(); it != j.end(); ++it)
+      DMI_CHECK(it.key() == "text" || it.key() == "ids" || it.key() == "steer",
+                "{}:{}: unknown key \"{}\" (a line holds \"text\" or \"ids\", and optionally \"steer\")", path,
+                lineno, it.key());
     if (j.contains("text")) {
       DMI_CHECK(j["text"].is_string(), "{}:{}: \"text\" must be a string", path, lineno);
       p.text = j["text"].get<std::string>();

@@ -156,6 +156,8 @@ Source read_source(const ReplayOptions& o) {
   s.ignore_eos = int_attr_or(f, "ignore_eos", has_token(cl, "--ignore-eos")) != 0;
   s.add_special_tokens = int_attr_or(f, "add_special_tokens", !has_token(cl, "--no-special-tokens")) != 0;
   s.threads = static_cast<int>(int_attr_or(f, "threads", 0));
+  s.interventions = recorded_interventions(f.text_attr("interventions"), o.source, o.allow_mismatch);
+  s.capture_before_interventions = int_attr_or(f, "capture_before_interventions", 0) != 0;
   src.attention_width = int_attr_or(f, "attention_width", 0);
   const json fp = parse_json_attr(f, "model_fingerprint");
   if (fp.is_object())
@@ -432,18 +434,22 @@ ReplayResult replay(const ReplayOptions& o, const std::atomic<bool>* stop,
       }
       std::int64_t width = src.attention_width;
       for (auto i : r.replayed) width = std::max<std::int64_t>(width, f.tokens(i).size());
-      sink::RunInfo info = make_run_info(s, m, width);
+      auto hooks = make_hooks(s, m, job.prompts);
+      sink::RunInfo info = make_run_info(s, m, width, hooks->resolved.record_json);
       for (const auto& a : job.extra_attributes) info.text.push_back(a);
       const at::ScalarType dtype = s.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
       CaptureRun capture(s.capture, cfg, m.model->site_space(), dtype, width, info);
+      if (hooks->intervener)
+        hooks->chain = std::make_unique<hooks::HookChain>(hooks->intervener.get(), capture.observer(),
+                                                          s.capture_before_interventions);
+      hooks::Observer* observer = hooks->observer(capture.observer());
       r.results.resize(n);
       for (std::size_t i = 0; i < n; ++i) {
         r.results[i].prompt_ids = job.prompts[i];
         r.results[i].finish_reason = "skipped";
       }
       try {
-        teacher_force(*m.model, f, r.replayed, s.batch_size, capture.observer(), stop, on_progress, r.results,
-                      r.timings);
+        teacher_force(*m.model, f, r.replayed, s.batch_size, observer, stop, on_progress, r.results, r.timings);
       } catch (...) {
         capture.finish("failed", {});
         throw;

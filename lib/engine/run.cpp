@@ -48,7 +48,8 @@ LoadedModel load_for_run(const RunSettings& s, bool fingerprint) {
   return m;
 }
 
-sink::RunInfo make_run_info(const RunSettings& s, const LoadedModel& m, std::int64_t attention_width) {
+sink::RunInfo make_run_info(const RunSettings& s, const LoadedModel& m, std::int64_t attention_width,
+                            const std::string& interventions_json) {
   const auto& cfg = m.model->config();
   const auto& c = s.capture;
   nlohmann::json fp(m.fingerprint);
@@ -75,7 +76,8 @@ sink::RunInfo make_run_info(const RunSettings& s, const LoadedModel& m, std::int
                                            {"top_p", s.sampling.top_p}}
                                 .dump()},
                {"eos_token_ids", nlohmann::json(eos).dump()},
-               {"environment", environment_json(s.threads)}};
+               {"environment", environment_json(s.threads)},
+               {"interventions", interventions_json}};
   info.ints = {{"every", c.every},
                {"seed", static_cast<std::int64_t>(s.sampling.seed)},
                {"max_new_tokens", s.max_new_tokens},
@@ -83,6 +85,7 @@ sink::RunInfo make_run_info(const RunSettings& s, const LoadedModel& m, std::int
                {"threads", s.threads},
                {"ignore_eos", s.ignore_eos ? 1 : 0},
                {"add_special_tokens", s.add_special_tokens ? 1 : 0},
+               {"capture_before_interventions", s.capture_before_interventions ? 1 : 0},
                {"n_layers", cfg.num_layers},
                {"attention_width", attention_width}};
   return info;
@@ -101,6 +104,27 @@ std::vector<sink::SequenceInfo> sequence_infos(const Job& job, const std::vector
     seqs.push_back(std::move(si));
   }
   return seqs;
+}
+
+hooks::Observer* Hooks::observer(hooks::Observer* capture) {
+  if (!intervener) return capture;
+  if (!chain) chain = std::make_unique<hooks::HookChain>(intervener.get(), capture, false);
+  return chain.get();
+}
+
+std::unique_ptr<Hooks> make_hooks(const RunSettings& s, const LoadedModel& m,
+                                  const std::vector<std::vector<std::int32_t>>& prompts) {
+  auto h = std::make_unique<Hooks>();
+  h->resolved.record_json = "[]";
+  if (s.interventions.empty()) return h;
+  DMI_CHECK(m.model->supports_interventions(),
+            "--steer, --ablate and --patch need an HF model directory; TorchScript models are read-only");
+  const hooks::SiteSpace space = m.model->site_space();
+  h->resolved = resolve_interventions(s.interventions, {m.model->config(), space, *m.tokenizer, m.fingerprint}, prompts);
+  std::vector<std::int64_t> plen;
+  for (const auto& p : prompts) plen.push_back(static_cast<std::int64_t>(p.size()));
+  h->intervener = std::make_unique<hooks::Intervener>(h->resolved.list, std::move(plen));
+  return h;
 }
 
 std::string timings_json(const Timings& t) {
@@ -125,6 +149,7 @@ RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const st
   opts.batches = job.batches;
   opts.interrupt_after = job.interrupt_after;
 
+  auto hooks = make_hooks(s, m, job.prompts);
   // Capture: the file is created only now, after all input was checked.
   std::unique_ptr<CaptureRun> capture;
   if (!s.capture.hooks.empty()) {
@@ -133,12 +158,15 @@ RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const st
       for (const auto& p : job.prompts)
         width = std::max<std::int64_t>(
             width, std::min<std::int64_t>(p.size() + s.max_new_tokens, cfg.max_position_embeddings));
-    sink::RunInfo info = make_run_info(s, m, width);
+    sink::RunInfo info = make_run_info(s, m, width, hooks->resolved.record_json);
     for (const auto& a : job.extra_attributes) info.text.push_back(a);
     const at::ScalarType dtype = s.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
     capture = std::make_unique<CaptureRun>(s.capture, cfg, m.model->site_space(), dtype, width, info);
-    opts.observer = capture->observer();
   }
+  if (hooks->intervener)
+    hooks->chain = std::make_unique<hooks::HookChain>(hooks->intervener.get(), capture ? capture->observer() : nullptr,
+                                                      s.capture_before_interventions);
+  opts.observer = hooks->observer(capture ? capture->observer() : nullptr);
 
   Generator gen(*m.model, opts);
   RunOutput out;

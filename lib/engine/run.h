@@ -15,6 +15,7 @@
 
 #include "engine/capture_run.h"
 #include "engine/generator.h"
+#include "engine/interventions.h"
 #include "engine/sampler.h"
 #include "io/fingerprint.h"
 #include "io/tokenizer.h"
@@ -35,6 +36,9 @@ struct RunSettings {
   bool ignore_eos = false;
   bool add_special_tokens = true;
   CaptureConfig capture;       // capture.hooks empty: nothing captured
+  // --steer / --ablate / --patch in the order given (and per-row ones).
+  std::vector<InterventionRequest> interventions;
+  bool capture_before_interventions = false;
   std::string command_line;
 };
 
@@ -86,7 +90,21 @@ std::vector<sink::SequenceInfo> sequence_infos(const Job& job, const std::vector
 // as JSON text, for the capture's "timings" attribute.
 std::string timings_json(const Timings& t);
 
-// The capture's root attributes for a run (its record).
-sink::RunInfo make_run_info(const RunSettings& s, const LoadedModel& m, std::int64_t attention_width);
+// The capture's root attributes for a run (its record); interventions_json:
+// the resolved interventions' record ("[]" when none).
+sink::RunInfo make_run_info(const RunSettings& s, const LoadedModel& m, std::int64_t attention_width,
+                            const std::string& interventions_json = "[]");
+
+// The interventions of a run, resolved against its model and prompts, and
+// the Observer the model gets: interventions in front of the capture.
+struct Hooks {
+  ResolvedInterventions resolved;
+  std::unique_ptr<hooks::Intervener> intervener;
+  std::unique_ptr<hooks::HookChain> chain;
+  // The observer for the model: capture alone, interventions alone, or both.
+  hooks::Observer* observer(hooks::Observer* capture);
+};
+std::unique_ptr<Hooks> make_hooks(const RunSettings& s, const LoadedModel& m,
+                                  const std::vector<std::vector<std::int32_t>>& prompts);
 
 }  // namespace dmi::engine

@@ -62,8 +62,9 @@ struct ForwardInfo {
   std::vector<std::int64_t> prompt_len;
 };
 
-// Receives tensors at HookPoints. wants() is asked first so that tensors an
-// observer does not want (full logits) are never made.
+// Receives tensors at HookPoints (and may replace them). wants() is asked
+// first so that tensors an observer does not want (full logits) are never
+// made.
 class Observer {
  public:
   virtual ~Observer() = default;
@@ -71,6 +72,11 @@ class Observer {
   virtual void begin_forward(const ForwardInfo& info) {}
   virtual bool wants(Site site, int layer) const = 0;
   virtual void observe(Site site, int layer, const at::Tensor& t, const ForwardInfo& info) = 0;
+  // Write-capable HookPoints (hooks/intervene.h): asked before wants(); when
+  // true, the forward pass continues with intervene()'s result, and
+  // observe() then sees that result.
+  virtual bool writes(Site site, int layer) const { return false; }
+  virtual at::Tensor intervene(Site site, int layer, const at::Tensor& t, const ForwardInfo& info) { return t; }
 };
 
 }  // namespace dmi::hooks

@@ -60,6 +60,8 @@ class CausalLM {
   virtual hooks::SiteSpace site_space() const {
     return {static_cast<int>(config().num_layers), config().qk_norm, {}};
   }
+  // Whether HookPoints may replace tensors (--steer, --ablate, --patch).
+  virtual bool supports_interventions() const { return true; }
   // Content hashes of the weight files (or the TorchScript archive), when
   // loaded with LoadOptions::fingerprint; and what computing them cost.
   const io::Fingerprint& weights_fingerprint() const { return weights_fp_; }

@@ -84,13 +84,16 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
   // Hooks compiled out (-DDMI_HOOKS=OFF): the baseline dmi-bench compares
   // "off" with, to show that an unused HookPoint costs nothing.
   DMI_CHECK(!obs, "this build has hooks compiled out (DMI_HOOKS=OFF)");
-  auto hook = [](Site, int, const at::Tensor&) {};
+  auto hook = [](Site, int, at::Tensor&) {};
 #else
   DMI_CHECK(!obs || in.info, "forward: an observer needs ForwardInput::info");
   if (obs) obs->begin_forward(*in.info);
-  // The HookPoint: one branch when nobody listens.
-  auto hook = [&](Site s, int layer, const at::Tensor& t) {
-    if (obs && obs->wants(s, layer)) obs->observe(s, layer, t, *in.info);
+  // The HookPoint: one branch when nobody listens. An intervention replaces
+  // the tensor the forward pass continues with; a capture sees the result.
+  auto hook = [&](Site s, int layer, at::Tensor& t) {
+    if (!obs) return;
+    if (obs->writes(s, layer)) t = obs->intervene(s, layer, t, *in.info);
+    if (obs->wants(s, layer)) obs->observe(s, layer, t, *in.info);
   };
 #endif
 

@@ -241,6 +241,9 @@ class TorchScriptLM final : public CausalLM {
     return c;
   }
 
+  // dmi::hook's result is not guaranteed to feed the rest of a module's
+  // graph (hook maps, full recomputation), so TorchScript models only read.
+  bool supports_interventions() const override { return false; }
   at::Tensor forward(const ForwardInput& in, KVCache& cache, hooks::Observer* obs) override {
     c10::InferenceMode inference;
     const std::int64_t B = in.ids.size(0), T = in.ids.size(1), L = in.start + T;

@@ -15,9 +15,11 @@
 
 #include "analysis/png.h"
 #include "analysis/stats.h"
+#include "analysis/steering.h"
 #include "app_main.h"
 #include "common/error.h"
 #include "io/tokenizer.h"
+#include "io/vectors.h"
 #include "sink/capture_file.h"
 
 using nlohmann::json;
@@ -423,6 +425,77 @@ int cmd_logits(const CaptureFile& f, const Options& o) {
   return 0;
 }
 
+struct VectorOptions {
+  dmi::analysis::MakeVectorOptions make;
+  std::string output, vector_file, capture, gguf, model_hint, site;
+  double scale = 1.0;
+  bool drop_layer0 = false;
+};
+
+int cmd_vector_make(const VectorOptions& v, bool as_json) {
+  DMI_CHECK(!v.output.empty(), "steer-vector make needs -o FILE.safetensors");
+  auto vec = dmi::analysis::make_steering_vector(v.make);
+  dmi::io::save_steering_vectors(v.output, vec);
+  json j{{"output", v.output}, {"method", v.make.method}, {"site", v.make.site}, {"select", v.make.select},
+         {"pairs", std::stoll(vec.metadata.at("pairs"))}, {"layers", json::array()}};
+  for (const auto& [layer, t] : vec.direction) j["layers"].push_back({{"layer", layer}, {"norm", t.norm().item<double>()}});
+  if (as_json) {
+    std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  fmt::print("{}: {} direction(s) at {} from {} pairs ({}, select {}{})\n", v.output, vec.direction.size(), v.make.site,
+             vec.metadata.at("pairs"), v.make.method, v.make.select, v.make.normalize ? ", unit norm" : "");
+  for (const auto& [layer, t] : vec.direction) fmt::print("  layer {:>3}  |v| {:.6g}\n", layer, t.norm().item<double>());
+  return 0;
+}
+
+int cmd_vector_show(const VectorOptions& v, bool as_json) {
+  auto vec = dmi::io::load_steering_vectors(v.vector_file);
+  std::string site = v.site;
+  if (site.empty()) site = vec.metadata.count("site") ? vec.metadata.at("site") : "resid_post";
+  auto rows = dmi::analysis::describe_steering_vector(vec, v.capture, site, v.scale);
+  json j{{"file", v.vector_file}, {"format", vec.format}, {"site", site}, {"scale", v.scale}, {"metadata", vec.metadata},
+         {"layers", json::array()}};
+  for (const auto& r : rows) {
+    json e{{"layer", r.layer}, {"norm", r.norm}};
+    if (r.cos_prev) e["cos_prev"] = *r.cos_prev;
+    if (r.mean_h_norm) e["mean_h_norm"] = *r.mean_h_norm;
+    if (r.ratio) e["scale_v_over_h"] = *r.ratio;
+    if (vec.target.count(r.layer)) e["target"] = vec.target.at(r.layer);
+    j["layers"].push_back(e);
+  }
+  if (as_json) {
+    std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  fmt::print("{} ({} format, site {}{})\n", v.vector_file, vec.format, site,
+             vec.metadata.count("method") ? ", method " + vec.metadata.at("method") : std::string());
+  fmt::print("  {:>5} {:>12} {:>10}{}\n", "layer", "|v|", "cos(L-1)",
+             v.capture.empty() ? "" : fmt::format(" {:>12} {:>14}", "mean |h|", fmt::format("{}*|v|/|h|", v.scale)));
+  for (const auto& r : rows) {
+    fmt::print("  {:>5} {:>12.6g} {:>10}", r.layer, r.norm, r.cos_prev ? fmt::format("{:.4f}", *r.cos_prev) : "-");
+    if (!v.capture.empty())
+      fmt::print(" {:>12} {:>14}", r.mean_h_norm ? fmt::format("{:.6g}", *r.mean_h_norm) : "-",
+                 r.ratio ? fmt::format("{:.4f}", *r.ratio) : "-");
+    fmt::print("\n");
+  }
+  return 0;
+}
+
+int cmd_vector_export(const VectorOptions& v, bool as_json) {
+  DMI_CHECK(!v.gguf.empty(), "steer-vector export needs --gguf OUT.gguf");
+  auto vec = dmi::io::load_steering_vectors(v.vector_file);
+  std::string hint = v.model_hint;
+  if (hint.empty()) hint = vec.metadata.count("model_hint") ? vec.metadata.at("model_hint") : "";
+  dmi::io::save_gguf_control_vector(v.gguf, vec, hint, v.drop_layer0);
+  std::size_t n = 0;
+  for (const auto& [layer, t] : vec.direction) n += layer > 0;
+  if (as_json) std::cout << json{{"output", v.gguf}, {"tensors", n}, {"model_hint", hint}}.dump(2) << "\n";
+  else fmt::print("{}: {} direction tensor(s) for llama.cpp (--control-vector){}\n", v.gguf, n,
+                  vec.direction.count(0) ? "; direction.0 left out (llama.cpp never steers block 0)" : "");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -439,10 +512,13 @@ int main(int argc, char** argv) {
       "  dmi-inspect run.h5 attention --layer 3 --seq 0 --top 5\n"
       "  dmi-inspect run.h5 attention --layer 3 --head 1 --seq 0 --png head.png\n"
       "  dmi-inspect run.h5 logits --seq 0 --pos 7 --top 10\n"
+      "  dmi-inspect steer-vector make --pos happy.h5 --neg sad.h5 --site resid_post --select last-prompt -o v.safetensors\n"
+      "  dmi-inspect steer-vector show v.safetensors --capture run.h5 --scale 4\n"
+      "  dmi-inspect steer-vector export v.safetensors --gguf v.gguf\n"
       "\nEvery command takes --json. Exit status: 0 ok, 2 bad input or unreadable file.");
   app.require_subcommand(1);
   Options o;
-  app.add_option("file", o.file, "capture file (.h5)")->required();
+  app.add_option("file", o.file, "capture file (.h5); not for steer-vector");
   app.add_option("--tokenizer", o.tokenizer, "tokenizer.json for token text (default: the one the file names)");
   app.add_flag("--json", o.json, "machine-readable output");
   auto* summary = app.add_subcommand("summary", "model, settings, status, records and the tree of sites");
@@ -472,8 +548,44 @@ int main(int argc, char** argv) {
   logits->add_option("--seq", o.seq, "sequence index")->required();
   logits->add_option("--pos", o.qpos, "position")->required();
   logits->add_option("--top", o.top, "how many")->capture_default_str()->check(CLI::PositiveNumber);
-  for (auto* sub : {summary, sites, text, show, stats, attention, logits}) sub->add_flag("--json", o.json, "machine-readable output");
+  VectorOptions vo;
+  auto* vec = app.add_subcommand("steer-vector", "make, show and export steering vectors (docs/steering.md)");
+  vec->require_subcommand(1);
+  auto* vmake = vec->add_subcommand("make", "a steering vector from two captures, paired by sequence index");
+  vmake->add_option("--pos", vo.make.pos_file, "capture of the positive prompts")->required();
+  vmake->add_option("--neg", vo.make.neg_file, "capture of the negative prompts")->required();
+  vmake->add_option("--site", vo.make.site, "resid_post, resid_pre, resid_mid, attn_out or mlp_out")->capture_default_str();
+  vmake->add_option("--layers", vo.make.layers, "layers, e.g. 0-3,10")->capture_default_str();
+  vmake->add_option("--select", vo.make.select, "rows per sequence: last-prompt, last, all or pos:K")
+      ->capture_default_str();
+  vmake->add_option("--method", vo.make.method, "mean-diff (CAA), pca-diff (repeng), pca-center (llama.cpp)")
+      ->capture_default_str();
+  vmake->add_flag("--normalize", vo.make.normalize, "unit-norm direction per layer");
+  vmake->add_option("-o,--output", vo.output, "output .safetensors (dmi's vector format)")->required();
+  auto* vshow = vec->add_subcommand("show", "per layer |v|, cosine with the previous layer, and |v|/|h| against a capture");
+  vshow->add_option("vector", vo.vector_file, "vector file (safetensors, GGUF or HDF5)")->required();
+  vshow->add_option("--capture", vo.capture, "capture with the vector's site: adds mean |h| and scale*|v|/|h|");
+  vshow->add_option("--site", vo.site, "site (default: the file's metadata, else resid_post)");
+  vshow->add_option("--scale", vo.scale, "the scale you steer with")->capture_default_str();
+  auto* vexport = vec->add_subcommand("export", "write a llama.cpp control vector (GGUF)");
+  vexport->add_option("vector", vo.vector_file, "vector file")->required();
+  vexport->add_option("--gguf", vo.gguf, "output .gguf")->required();
+  vexport->add_option("--model-hint", vo.model_hint, "controlvector.model_hint (default: the file's model_hint)");
+  vexport->add_flag("--drop-layer0", vo.drop_layer0, "leave out direction.0 (llama.cpp cannot apply it)");
+  for (auto* sub : {summary, sites, text, show, stats, attention, logits, vmake, vshow, vexport})
+    sub->add_flag("--json", o.json, "machine-readable output");
   if (int rc = dmi::apps::parse_args("dmi-inspect", app, argc, argv); rc >= 0) return rc;
+  if (vec->parsed())
+    return dmi::apps::guarded("dmi-inspect", [&] {
+      DMI_CHECK(o.file.empty(), "steer-vector takes no capture file before it (got '{}')", o.file);
+      if (vmake->parsed()) return cmd_vector_make(vo, o.json);
+      if (vshow->parsed()) return cmd_vector_show(vo, o.json);
+      return cmd_vector_export(vo, o.json);
+    });
+  if (o.file.empty()) {
+    std::fprintf(stderr, "dmi-inspect: error: a capture file is required before the command (see --help)\n");
+    return 2;
+  }
   return dmi::apps::guarded("dmi-inspect", [&] {
     auto f = CaptureFile::open(o.file);
     const std::string status = f->status();

@@ -464,6 +464,71 @@ elif case == "vectors":
         if want not in r.stderr:
             fail(f"--steer {spec}: {r.stderr!r}")
     print("bad vector files and specs: exit 2, one line naming the file and tensor")
+elif case == "make":
+    # steer-vector make: mean-diff equals numpy's paired mean difference of
+    # the captured rows; pca-diff is signed so that positives project higher.
+    Pp = [[5, 17, 42], [9, 8, 7, 6], [200, 4], [60, 61]]
+    Np = [[5, 17, 43], [9, 8, 7, 1], [201, 4], [60, 62]]
+    base = ["-q", "--model", MODEL, "-n", "3", "-b", "4", "--hooks", "resid_post"]
+    ph, nh = os.path.join(tmp, "pos.h5"), os.path.join(tmp, "neg.h5")
+    run(*base, "-o", ph, *prompt_args(Pp))
+    run(*base, "-o", nh, *prompt_args(Np))
+    fp, fn = h5py.File(ph, "r"), h5py.File(nh, "r")
+    cfg, _ = cfg_of(MODEL)
+    for method, select in [("mean-diff", "last-prompt"), ("pca-diff", "last-prompt"), ("pca-center", "all"),
+                           ("mean-diff", "pos:1")]:
+        out = os.path.join(tmp, f"{method}-{select.replace(':', '')}.safetensors")
+        r = run("steer-vector", "make", "--pos", ph, "--neg", nh, "--site", "resid_post", "--select", select,
+                "--method", method, "-o", out, "--json", tool=DMI_INSPECT)
+        j = json.loads(r.stdout)
+        for layer in range(cfg.n_layers):
+            name = f"blocks.{layer}.hook_resid_post"
+            a, b = rows_by_key(fp, name), rows_by_key(fn, name)
+            if select == "last-prompt":
+                keys = [(s, len(p) - 1) for s, p in enumerate(Pp)]
+            elif select == "pos:1":
+                keys = [(s, 1) for s in range(len(Pp))]
+            else:
+                keys = sorted(k for k in a if k in b)
+            P = np.stack([a[k] for k in keys]).astype(np.float64)
+            N = np.stack([b[k] for k in keys]).astype(np.float64)
+            D = P - N
+            # Read dmi's vector back (our own safetensors reader: header + F32 data).
+            raw = open(out, "rb").read()
+            hl = struct.unpack("<Q", raw[:8])[0]
+            hdr = json.loads(raw[8:8 + hl])
+            o0, o1 = hdr[f"direction.{layer}"]["data_offsets"]
+            got = np.frombuffer(raw[8 + hl + o0:8 + hl + o1], np.float32).astype(np.float64)
+            if method == "mean-diff":
+                want = D.mean(0)
+                if np.abs(got - want).max() > 1e-6 * max(np.abs(want).max(), 1e-12):
+                    fail(f"{method} {select} layer {layer}: differs from numpy's paired mean difference")
+            else:
+                M = D - D.mean(0) if method == "pca-diff" else D
+                want = np.linalg.svd(M, full_matrices=False)[2][0]
+                if (P @ want > N @ want).mean() < 0.5:
+                    want = -want
+                if abs(abs(got @ want) / np.linalg.norm(got) - 1) > 1e-5 or got @ want < 0:
+                    fail(f"{method} layer {layer}: not numpy's first component with the positive sign")
+        if j["pairs"] != len(keys):
+            fail(f"{method}: pairs {j['pairs']}, want {len(keys)}")
+    r = run("steer-vector", "show", out, "--capture", ph, "--scale", "4", "--json", tool=DMI_INSPECT)
+    j = json.loads(r.stdout)
+    x = h5py.File(ph, "r")["sites/blocks.1.hook_resid_post/data"][:].astype(np.float64)
+    hn = np.linalg.norm(x, axis=1).mean()
+    l1 = [e for e in j["layers"] if e["layer"] == 1][0]
+    if abs(l1["mean_h_norm"] - hn) > 1e-6 * hn or abs(l1["scale_v_over_h"] - 4 * l1["norm"] / hn) > 1e-9:
+        fail(f"show: {l1} vs mean |h| {hn}")
+    print("steer-vector make (mean-diff, pca-diff, pca-center; last-prompt, pos:K, all) matches numpy; show's "
+          "|v|/|h| matches")
+    # Unequal pair counts are an error.
+    r = run("steer-vector", "make", "--pos", ph, "--neg", os.path.join(tmp, "never.h5"), "-o", out, tool=DMI_INSPECT,
+            expect_rc=2)
+    short = os.path.join(tmp, "short.h5")
+    run(*base, "-o", short, *prompt_args(Np[:3]))
+    r = run("steer-vector", "make", "--pos", ph, "--neg", short, "-o", out, tool=DMI_INSPECT, expect_rc=2)
+    if "equal counts" not in r.stderr:
+        fail(f"unequal counts: {r.stderr!r}")
 else:
     fail(f"unknown case {case}")
 print("ok")

@@ -76,6 +76,7 @@ int main(int argc, char** argv) {
       "  dmi-bench --model build/bench-models/qwen3-0.6b-shape --batch-sizes 1,8 --hooks residual --json r.json\n"
       "  dmi-bench --hooks residual --hooks full --modes off,null,async --repeats 5\n"
       "  dmi-bench --modes off,off2,async,sync --repeats 15       # with the noise floor\n"
+      "  dmi-bench --modes off,off2,steer --batch-sizes 8 --repeats 15   # what --steer costs\n"
       "  /usr/bin/python3 scripts/plot_bench.py r.json r.png   # overhead vs batch size per mode\n"
       "\nExit status: 0 ok, 2 bad input.");
   std::string model_dir, hook_map, dtype = "bfloat16", batches = "1,8", modes = "off,null,async,sync,materialize", json_out,

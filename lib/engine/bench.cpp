@@ -12,6 +12,7 @@
 #include <random>
 
 #include "common/error.h"
+#include "hooks/intervene.h"
 #include "engine/capture_run.h"
 #include "engine/generator.h"
 
@@ -77,8 +78,8 @@ double measure_read_bandwidth_gbs() {
 void validate_bench_config(const BenchConfig& cfg) {
   DMI_CHECK(!cfg.modes.empty(), "--modes selects no mode");
   for (const auto& m : cfg.modes)
-    DMI_CHECK(m == "off2" || std::find(bench_modes().begin(), bench_modes().end(), m) != bench_modes().end(),
-              "--modes: '{}' is not one of off, null, async, sync, materialize (or off2)", m);
+    DMI_CHECK(m == "off2" || m == "steer" || std::find(bench_modes().begin(), bench_modes().end(), m) != bench_modes().end(),
+              "--modes: '{}' is not one of off, null, async, sync, materialize, steer (or off2)", m);
   DMI_CHECK(cfg.prompt_len >= 1 && cfg.new_tokens >= 1, "--prompt-len and --new-tokens must be at least 1");
 }
 
@@ -108,11 +109,29 @@ std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
         const std::size_t M = cfg.modes.size();
         for (std::size_t k = 0; k < M; ++k) {
           const std::string& mode = cfg.modes[(k + static_cast<std::size_t>(rep + cfg.warmup)) % M];
-          const bool off = mode == "off" || mode == "off2";
+          const bool off = mode == "off" || mode == "off2" || mode == "steer";
           GenerateOptions o;
           o.max_new_tokens = cfg.new_tokens;
           o.batch_size = B;
           std::unique_ptr<CaptureRun> cap;
+          std::unique_ptr<hooks::Intervener> steer;
+          if (mode == "steer") {
+            // One vector at every layer's output, every position (--steer FILE,
+            // mode=add): what steering costs, with nothing captured.
+            hooks::Intervention iv;
+            iv.label = "dmi-bench steer";
+            std::mt19937_64 vr(cfg.seed + 7);
+            std::normal_distribution<float> g(0.0f, 1.0f / std::sqrt(static_cast<float>(mc.hidden_size)));
+            for (int l = 0; l < mc.num_layers; ++l) {
+              std::vector<float> v(static_cast<std::size_t>(mc.hidden_size));
+              for (auto& x : v) x = g(vr);
+              iv.direction[l] = at::tensor(v, at::kFloat);
+              iv.sites.emplace_back(hooks::Site::resid_post, l);
+            }
+            std::vector<std::int64_t> plen(prompts.size(), cfg.prompt_len);
+            steer = std::make_unique<hooks::Intervener>(std::vector<hooks::Intervention>{iv}, plen);
+            o.observer = steer.get();
+          }
           if (!off) {
             CaptureConfig c;
             c.hooks = hooks;

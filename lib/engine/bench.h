@@ -15,7 +15,9 @@ namespace dmi::engine {
 // off: no site selected; null: HookPoints + Ring², sink discards; async:
 // Ring² + writer thread + HDF5; sync: hooks write HDF5 inline; materialize:
 // everything kept in memory, written after generation. --modes also accepts
-// off2: a second "off" run per repeat, whose overhead shows the noise floor.
+// off2: a second "off" run per repeat, whose overhead shows the noise floor,
+// and steer: nothing captured, one steering vector added at every layer's
+// output at every position (what --steer costs).
 const std::vector<std::string>& bench_modes();
 
 // A distribution-free 95 % confidence interval for the median of v (order

@@ -73,4 +73,15 @@ p = subprocess.run(["/usr/bin/python3", os.path.join(ROOT, "scripts", "plot_benc
                    capture_output=True, text=True)
 if p.returncode != 0 or open(png, "rb").read(8) != b"\x89PNG\r\n\x1a\n":
     sys.exit(f"FAIL: plot: {p.stderr}")
+# steer mode: runs, captures nothing.
+r = subprocess.run([bench, "-q", "--model", os.path.join(models, "qwen3-untied-f32"), "--dtype", "float32",
+                    "--batch-sizes", "2", "--prompt-len", "4", "--new-tokens", "2", "--modes", "off,steer",
+                    "--repeats", "2", "--tmp-dir", tmp, "--json", os.path.join(tmp, "steer.json")],
+                   capture_output=True, text=True, timeout=300)
+if r.returncode != 0:
+    sys.exit(f"FAIL: dmi-bench --modes off,steer exited {r.returncode}: {r.stderr}")
+js = json.load(open(os.path.join(tmp, "steer.json")))
+steer = [s for s in js["summary"] if s["mode"] == "steer"]
+if len(steer) != 1 or steer[0]["bytes_captured"] != 0:
+    sys.exit(f"FAIL: steer mode summary {steer}")
 print("ok")

@@ -185,6 +185,8 @@ int main(int argc, char** argv) {
                 {"ring_high_water_bytes", med([](const auto& r) { return static_cast<double>(r.ring_high_water); })},
                 {"producer_wait_seconds", med([](const auto& r) { return r.producer_wait; })},
                 {"sink_cpu_seconds", med([](const auto& r) { return r.sink_cpu; })},
+                {"intervene_seconds", med([](const auto& r) { return r.intervene_seconds; })},
+                {"intervene_share", med([](const auto& r) { return r.seconds > 0 ? r.intervene_seconds / r.seconds : 0.0; })},
                 {"capture_finish_seconds", med([](const auto& r) { return r.capture_finish_seconds; })}};
       const auto ci = dmi::engine::median_ci95(ov), sci = dmi::engine::median_ci95(sov);
       if (ci) s["overhead_ci95"] = {ci->first, ci->second};
@@ -199,6 +201,9 @@ int main(int argc, char** argv) {
                  s["bytes_per_second"].get<double>() / 1e6, s["peak_rss_mb"].get<double>(),
                  s["ring_high_water_bytes"].get<double>() / 1e6, s["producer_wait_seconds"].get<double>(),
                  s["sink_cpu_seconds"].get<double>());
+      if (k.mode == "steer")
+        fmt::print("      steer: {:.4f} s per run inside the interventions ({:.3f} % of the run, median)\n",
+                   s["intervene_seconds"].get<double>(), 100 * s["intervene_share"].get<double>());
     }
     if (!json_out.empty()) {
       json j = {{"model", model_dir}, {"architecture", model->config().architecture}, {"dtype", dtype},
@@ -215,6 +220,7 @@ int main(int argc, char** argv) {
                              {"step_ms", r.step_ms}, {"step_overhead", r.step_overhead},
                              {"bytes_captured", r.bytes}, {"records", r.records}, {"peak_rss_mb", r.peak_rss_mb},
                              {"ring_high_water_bytes", r.ring_high_water}, {"producer_wait_seconds", r.producer_wait}, {"sink_cpu_seconds", r.sink_cpu},
+                             {"intervene_seconds", r.intervene_seconds},
                              {"capture_finish_seconds", r.capture_finish_seconds}});
       std::ofstream f(json_out);
       DMI_CHECK(f, "{}: cannot write", json_out);

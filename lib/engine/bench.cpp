@@ -171,6 +171,7 @@ std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
           r.ring_high_water = cr.stats.high_water_bytes;
           r.producer_wait = cr.stats.producer_wait_seconds;
           r.sink_cpu = cr.stats.sink_cpu_seconds;
+          if (steer) r.intervene_seconds = steer->seconds();
           r.peak_rss_mb = peak_rss_mb();
           {
             std::vector<double> st = t.step_seconds;

@@ -43,6 +43,7 @@ struct BenchRun {
   double prefill_tps = 0, decode_tps = 0, tpot_ms = 0, e2e_tps = 0, seconds = 0, capture_finish_seconds = 0;
   std::uint64_t bytes = 0, records = 0, ring_high_water = 0;
   double producer_wait = 0;
+  double intervene_seconds = 0;  // steer mode: wall seconds inside the interventions
   double sink_cpu = 0;  // CPU seconds inside the sink's writes (RingStats::sink_cpu_seconds)
   double peak_rss_mb = 0;
   double step_ms = 0;   // median decode step time of the run

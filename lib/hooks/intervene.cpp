@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
+
 #include "common/error.h"
 
 namespace dmi::hooks {
@@ -145,6 +147,7 @@ const at::Tensor& Intervener::mask(std::size_t i, const ForwardInfo& info) {
 }
 
 at::Tensor Intervener::intervene(Site site, int layer, const at::Tensor& t, const ForwardInfo& info) {
+  const auto t0 = std::chrono::steady_clock::now();
   at::Tensor x = t;
   for (std::size_t i = 0; i < list_.size(); ++i) {
     const auto& iv = list_[i];
@@ -152,6 +155,7 @@ at::Tensor Intervener::intervene(Site site, int layer, const at::Tensor& t, cons
     for (auto [s, l] : iv.sites) here = here || (s == site && l == layer);
     if (here) x = apply(iv, i, site, layer, x, info);
   }
+  seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return x;
 }
 

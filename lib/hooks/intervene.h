@@ -77,6 +77,8 @@ class Intervener final : public Observer {
     return writes_[static_cast<int>(site)].count(layer < 0 ? -1 : layer) != 0;
   }
   at::Tensor intervene(Site site, int layer, const at::Tensor& t, const ForwardInfo& info) override;
+  // Wall seconds spent inside intervene() (what steering costs the forward pass).
+  double seconds() const { return seconds_; }
 
  private:
   // [B, T] bool of the tokens intervention i touches in this forward pass;
@@ -89,6 +91,7 @@ class Intervener final : public Observer {
   std::vector<std::set<int>> writes_;  // [site] -> layers (-1 for global sites)
   std::vector<bool> mask_ready_;
   std::vector<at::Tensor> masks_;
+  double seconds_ = 0;
 };
 
 // Interventions in front of a capture: the model sees one Observer. The

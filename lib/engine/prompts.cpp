@@ -60,10 +60,6 @@ std::vector<PromptSpec> read_prompts_file(const std::string& path) {
         p.steer.push_back(v.get<std::string>());
       }
     }
-    for (auto it = j.begin(); it != j.end(); ++it)
-      DMI_CHECK(it.key() == "text" || it.key() == "ids" || it.key() == "steer",
-                "{}:{}: unknown key \"{}\" (a line holds \"text\" or \"ids\", and optionally \"steer\")", path,
-                lineno, it.key());
     if (j.contains("text")) {
       DMI_CHECK(j["text"].is_string(), "{}:{}: \"text\" must be a string", path, lineno);
       p.text = j["text"].get<std::string>();

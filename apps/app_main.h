@@ -7,10 +7,34 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <exception>
+#include <string>
 
 #include "common/error.h"
 
 namespace dmi::apps {
+
+// Numeric flag checks whose errors say what is allowed in words
+// ("--batch-size: must be at least 1 (got 0)"), unlike CLI11's range
+// validators, which print the limits of a double.
+inline CLI::Validator number_check(double lo, double hi, bool lo_open, const std::string& words) {
+  return CLI::Validator(
+      [=](std::string& s) -> std::string {
+        double v = 0;
+        try {
+          std::size_t used = 0;
+          v = std::stod(s, &used);
+          if (used != s.size()) return "'" + s + "' is not a number";
+        } catch (const std::exception&) {
+          return "'" + s + "' is not a number";
+        }
+        if ((lo_open ? !(v > lo) : !(v >= lo)) || !(v <= hi)) return "must be " + words + " (got " + s + ")";
+        return std::string();
+      },
+      words);
+}
+inline const CLI::Validator kAtLeastOne = number_check(1, 1e300, false, "at least 1");
+inline const CLI::Validator kPositive = number_check(0, 1e300, true, "greater than 0");
+inline const CLI::Validator kNonNegative = number_check(0, 1e300, false, "0 or more");
 
 // Parses argv; on --help prints and returns 0, on a bad flag prints one line
 // and returns 2; returns -1 when the tool should go on.

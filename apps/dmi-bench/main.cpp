@@ -90,14 +90,14 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype, "compute dtype")->capture_default_str()->check(CLI::IsMember({"float32", "bfloat16"}));
   app.add_option("--batch-sizes", batches, "comma-separated batch sizes")->capture_default_str();
   app.add_option("--prompt-len", cfg.prompt_len, "prompt tokens per sequence (random ids)")->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(dmi::apps::kAtLeastOne);
   app.add_option("--new-tokens", cfg.new_tokens, "tokens generated per sequence")->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(dmi::apps::kAtLeastOne);
   app.add_option("--hooks", hooks, "a --hooks selection (repeatable; default: residual)");
   app.add_option("--modes", modes, "comma-separated modes")->capture_default_str();
-  app.add_option("--repeats", cfg.repeats, "measured repeats")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--repeats", cfg.repeats, "measured repeats")->capture_default_str()->check(dmi::apps::kAtLeastOne);
   app.add_option("--warmup", cfg.warmup, "warm-up repeats (not reported)")->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(dmi::apps::kNonNegative);
   app.add_option("--seed", cfg.seed, "seed of the random prompts")->capture_default_str();
   app.add_option("-t,--threads", threads, "CPU threads (0 = all cores)")->capture_default_str();
   app.add_option("--json", json_out, "write every run and the summary as JSON to this file");

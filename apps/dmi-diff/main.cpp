@@ -107,8 +107,8 @@ int main(int argc, char** argv) {
   app.add_option("a", a, "first capture (A)")->required();
   app.add_option("b", b, "second capture (B, the reference for rtol)")->required();
   app.add_option("--sites", o.sites_glob, "compare only sites matching this glob")->capture_default_str();
-  app.add_option("--atol", o.atol, "absolute tolerance")->capture_default_str()->check(CLI::NonNegativeNumber);
-  app.add_option("--rtol", o.rtol, "relative tolerance")->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--atol", o.atol, "absolute tolerance")->capture_default_str()->check(dmi::apps::kNonNegative);
+  app.add_option("--rtol", o.rtol, "relative tolerance")->capture_default_str()->check(dmi::apps::kNonNegative);
   app.add_flag("--json", as_json, "machine-readable report on stdout");
   app.add_flag("-q,--quiet", quiet, "print only sites that differ, and the verdict");
   if (int rc = dmi::apps::parse_args("dmi-diff", app, argc, argv); rc >= 0) return rc;

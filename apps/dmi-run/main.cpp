@@ -366,19 +366,19 @@ int main(int argc, char** argv) {
                                  "file of prompts: one per line, or JSONL with \"text\" or \"ids\"");
   auto* prompt_ids = app.add_option("--prompt-ids", a.prompt_ids, "prompt as comma-separated token ids (repeatable)");
   auto* max_new = app.add_option("-n,--max-new-tokens", a.max_new_tokens, "tokens to generate per sequence")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(dmi::apps::kNonNegative);
   a.batch_flag = app.add_option("-b,--batch-size", a.batch_size, "sequences per batch")->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(dmi::apps::kAtLeastOne);
   auto* dtype = app.add_option("--dtype", a.dtype, "compute dtype")->capture_default_str()
       ->check(CLI::IsMember({"float32", "bfloat16"}));
-  auto* temperature = app.add_option("--temperature", a.temperature, "0 = greedy")->capture_default_str()->check(CLI::NonNegativeNumber);
+  auto* temperature = app.add_option("--temperature", a.temperature, "0 = greedy")->capture_default_str()->check(dmi::apps::kNonNegative);
   auto* top_k = app.add_option("--top-k", a.top_k, "sample from the k most likely tokens (0 = off)")->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(dmi::apps::kNonNegative);
   auto* top_p = app.add_option("--top-p", a.top_p, "nucleus sampling mass (1 = off)")->capture_default_str()
-      ->check(CLI::Range(0.0, 1.0).description("in (0, 1]"));
+      ->check(dmi::apps::number_check(0, 1, true, "in (0, 1]"));
   auto* seed = app.add_option("--seed", a.seed, "sampling seed; the same seed gives the same output")->capture_default_str();
   a.threads_flag = app.add_option("-t,--threads", a.threads, "CPU threads (0 = all cores)")->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(dmi::apps::kNonNegative);
   auto* no_special = app.add_flag("--no-special-tokens", a.no_special, "do not add the tokenizer's special tokens (e.g. BOS) to prompts");
   auto* ignore_eos = app.add_flag("--ignore-eos", a.ignore_eos, "keep generating past end-of-sequence tokens");
   app.add_flag("--json", a.json, "print a machine-readable summary on stdout");
@@ -393,7 +393,7 @@ int main(int argc, char** argv) {
           ->capture_default_str());
   a.capture_flags.push_back(cap->add_option("--every", a.capture.every, "capture every N-th decode step")
                                 ->capture_default_str()
-                                ->check(CLI::PositiveNumber));
+                                ->check(dmi::apps::kAtLeastOne));
   a.capture_flags.push_back(
       cap->add_option("--logits", a.capture.logits, "full, or topk:K (values + ids)")->capture_default_str());
   a.capture_flags.push_back(
@@ -401,7 +401,7 @@ int main(int argc, char** argv) {
           ->capture_default_str());
   a.capture_flags.push_back(cap->add_option("--ring-mb", a.capture.ring_mb, "payload ring budget in MiB")
                                 ->capture_default_str()
-                                ->check(CLI::PositiveNumber));
+                                ->check(dmi::apps::kPositive));
   cap->add_option("--on-full", a.capture.on_full, "block (lossless) or drop (never stalls; drops are counted)")
       ->capture_default_str();
   cap->add_option("--sink", a.capture.sink, "hdf5, or null (transport only, data discarded)")->capture_default_str();
@@ -439,9 +439,9 @@ int main(int argc, char** argv) {
   rep->add_flag("--allow-mismatch", a.allow_mismatch, "replay even if the model's fingerprint differs");
   rep->add_option("--seq", a.seqs, "replay these sequences only: 3,7 or 10:20 (exact mode replays their whole batches)");
   a.atol_flag = rep->add_option("--atol", a.atol, "--verify absolute tolerance (default: by dtype, docs/replay.md)")
-                    ->check(CLI::NonNegativeNumber);
+                    ->check(dmi::apps::kNonNegative);
   a.rtol_flag = rep->add_option("--rtol", a.rtol, "--verify relative tolerance (default: by dtype)")
-                    ->check(CLI::NonNegativeNumber);
+                    ->check(dmi::apps::kNonNegative);
   a.recorded_settings = {hook_map, prompt, prompts, prompt_ids, max_new, dtype, temperature, top_k, top_p, seed,
                          no_special, ignore_eos, steer, ablate, patch, before};
   app.add_flag("-q,--quiet", a.quiet, "no progress or timing lines on stderr");

@@ -272,10 +272,11 @@ std::string record_hash(const std::string& path) {
   auto f = sink::CaptureFile::open(path);
   json j;
   for (const char* a : {"model_fingerprint", "model_config", "architecture", "hook_map", "selection", "token_policy",
-                        "logits", "capture_dtype", "compute_dtype", "sampling", "eos_token_ids", "environment"})
+                        "logits", "capture_dtype", "compute_dtype", "sampling", "eos_token_ids", "environment",
+                        "interventions"})
     j["attributes"][a] = f->text_attr(a);
   for (const char* a : {"every", "seed", "max_new_tokens", "batch_size", "threads", "ignore_eos", "add_special_tokens",
-                        "attention_width"})
+                        "capture_before_interventions", "attention_width"})
     j["attributes"][a] = f->int_attr(a) ? json(*f->int_attr(a)) : json();
   for (std::size_t i = 0; i < f->n_sequences(); ++i)
     j["sequences"].push_back({f->tokens(i), f->prompt_length(i), f->finish_reason(i),

@@ -33,6 +33,9 @@ LoadedModel load_for_run(const RunSettings& s, bool fingerprint) {
   lo.fingerprint = fingerprint;
   m.model = model::load_model(s.model_path, dtype, lo);
   m.tokenizer = std::make_unique<io::Tokenizer>(io::Tokenizer::load(m.tokenizer_path));
+  DMI_CHECK(m.tokenizer->vocab_size() <= m.model->config().vocab_size,
+            "{}: has token id {}, but the model's vocab_size is {} ({}): tokenizer and model do not match",
+            m.tokenizer_path, m.tokenizer->vocab_size() - 1, m.model->config().vocab_size, s.model_path);
   if (fingerprint) {
     m.fingerprint = m.model->weights_fingerprint();
     // config.json: an HF directory's, or the one next to a TorchScript file

@@ -17,6 +17,12 @@
 
 namespace dmi::io {
 
+namespace {
+// Token ids index a table: an id far beyond any real vocabulary (the largest
+// are ~260k) is a corrupt file, not a reason to allocate gigabytes.
+constexpr std::int64_t kMaxTokenId = 1 << 24;
+}  // namespace
+
 using nlohmann::json;
 
 bool valid_utf8(std::string_view s) {
@@ -276,6 +282,8 @@ void Tokenizer::Impl::parse_model(const json& m) {
   for (auto it = m["vocab"].begin(); it != m["vocab"].end(); ++it) {
     DMI_CHECK(it.value().is_number_integer() && it.value().get<std::int64_t>() >= 0,
               "{}.vocab['{}'] is not a non-negative id", where, it.key());
+    DMI_CHECK(it.value().get<std::int64_t>() < kMaxTokenId, "{}.vocab['{}'] has id {}: implausibly large (limit {})",
+              where, it.key(), it.value().get<std::int64_t>(), kMaxTokenId);
     auto id = it.value().get<std::int32_t>();
     vocab[it.key()] = id;
     if (static_cast<std::size_t>(id) >= id_to_token.size()) id_to_token.resize(id + 1);
@@ -722,9 +730,12 @@ Tokenizer Tokenizer::parse(const std::string& text, const std::string& path) {
     impl->parse_post_processor(j.value("post_processor", json()));
     if (j.contains("added_tokens") && j["added_tokens"].is_array()) {
       for (const auto& a : j["added_tokens"]) {
-        Impl::Added t{str_field(a, "content", path + ": added_tokens"), a.at("id").get<std::int32_t>(),
-                      a.value("special", false), a.value("lstrip", false), a.value("rstrip", false)};
-        DMI_CHECK(t.id >= 0, "{}: added token '{}' has a negative id", path, t.content);
+        const std::string content = str_field(a, "content", path + ": added_tokens");
+        DMI_CHECK(a.contains("id") && a["id"].is_number_integer() && a["id"].get<std::int64_t>() >= 0 &&
+                      a["id"].get<std::int64_t>() < kMaxTokenId,
+                  "{}: added token '{}' has no id, a negative one, or one beyond {}", path, content, kMaxTokenId);
+        Impl::Added t{content, a["id"].get<std::int32_t>(), a.value("special", false), a.value("lstrip", false),
+                      a.value("rstrip", false)};
         if (static_cast<std::size_t>(t.id) >= impl->id_to_token.size()) impl->id_to_token.resize(t.id + 1);
         impl->id_to_token[t.id] = t.content;
         impl->vocab[t.content] = t.id;

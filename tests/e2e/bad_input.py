@@ -129,6 +129,23 @@ elif case == "unknown-hook":
 elif case == "hooks-without-output":
     args += ["--model", good, "--hooks", "residual"]
     expect = "--hooks with --sink hdf5 needs --output FILE.h5"
+elif case == "tokenizer-huge-id":
+    d = copy_model()
+    t = json.load(open(os.path.join(d, "tokenizer.json")))
+    t["model"]["vocab"][next(iter(t["model"]["vocab"]))] = 10 ** 9
+    json.dump(t, open(os.path.join(d, "tokenizer.json"), "w"))
+    args += ["--model", d]
+    expect = "has id 1000000000: implausibly large"
+elif case == "tokenizer-beyond-vocab":
+    d = copy_model()
+    t = json.load(open(os.path.join(d, "tokenizer.json")))
+    t["model"]["vocab"][next(iter(t["model"]["vocab"]))] = 300
+    json.dump(t, open(os.path.join(d, "tokenizer.json"), "w"))
+    args += ["--model", d, "--hooks", "resid_post", "-o", os.path.join(tmp, "never.h5")]
+    expect = "has token id 300, but the model's vocab_size is 256"
+elif case == "range-in-words":
+    args += ["--model", good, "--batch-size", "0"]
+    expect = "--batch-size: must be at least 1 (got 0)"
 else:
     sys.exit(f"unknown case {case}")
 

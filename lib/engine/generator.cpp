@@ -48,7 +48,8 @@ std::vector<SequenceResult> Generator::generate(const std::vector<std::vector<st
   }
   DMI_CHECK(opts_.interrupt_after.empty() || opts_.interrupt_after.size() == prompts.size(),
             "interrupt_after must have one entry per prompt");
-  std::vector<SequenceResult> out(prompts.size());
+  partial_.assign(prompts.size(), SequenceResult{});
+  std::vector<SequenceResult>& out = partial_;
   for (std::size_t i = 0; i < prompts.size(); ++i) {
     out[i].prompt_ids = prompts[i];
     out[i].finish_reason = seen[i] ? "interrupted" : "skipped";  // until its batch runs

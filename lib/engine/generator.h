@@ -60,6 +60,10 @@ class Generator {
   // Prompts are token ids, already checked against the vocabulary.
   std::vector<SequenceResult> generate(const std::vector<std::vector<std::int32_t>>& prompts);
   const Timings& timings() const { return timings_; }
+  // The results so far: after generate() threw, the batches that finished
+  // and the tokens of the one that failed (its live sequences still say
+  // "interrupted", with batch >= 0).
+  const std::vector<SequenceResult>& partial() const { return partial_; }
 
  private:
   void run_batch(const std::vector<std::vector<std::int32_t>>& prompts, const std::vector<std::size_t>& members,
@@ -67,6 +71,7 @@ class Generator {
   model::CausalLM& model_;
   GenerateOptions opts_;
   Timings timings_;
+  std::vector<SequenceResult> partial_;
 };
 
 }  // namespace dmi::engine

@@ -97,7 +97,7 @@ std::vector<std::vector<std::size_t>> recorded_batches(const sink::CaptureFile& 
   for (std::size_t first = 0; first < n; first += static_cast<std::size_t>(batch_size)) {
     std::vector<std::size_t> b;
     for (std::size_t i = first; i < std::min<std::size_t>(n, first + batch_size); ++i) {
-      const bool ran = !(f.finish_reason(i) == "interrupted" &&
+      const bool ran = !((f.finish_reason(i) == "interrupted" || f.finish_reason(i) == "failed") &&
                          f.tokens(i).size() == static_cast<std::size_t>(f.prompt_length(i)));
       if (ran) b.push_back(i);
     }
@@ -411,7 +411,7 @@ ReplayResult replay(const ReplayOptions& o, const std::atomic<bool>* stop,
       job.batches = batches;
       job.interrupt_after.assign(n, -1);
       for (auto i : r.replayed)
-        if (f.finish_reason(i) == "interrupted")
+        if (f.finish_reason(i) == "interrupted" || f.finish_reason(i) == "failed")
           job.interrupt_after[i] = static_cast<std::int64_t>(f.tokens(i).size()) - f.prompt_length(i);
       RunOutput out = run_job(s, m, job, stop, on_progress);
       r.results = std::move(out.results);
@@ -494,11 +494,14 @@ ReplayResult replay(const ReplayOptions& o, const std::atomic<bool>* stop,
     // replay captures other tokens.
     const CaptureConfig rec = recorded_capture_config(o.source);
     const bool same_tokens = s.capture.tokens == rec.tokens && s.capture.every == rec.every;
-    const bool source_dropped = f.int_attr("records_dropped").value_or(0) > 0;
+    // A failed source may hold rows of the forward pass that failed, which a
+    // replay stopping at its last recorded token does not run.
+    const bool source_extra = f.int_attr("records_dropped").value_or(0) > 0 || f.status() == "failed";
     r.equal = true;
     for (const auto& sd : r.report.sequences) r.equal = r.equal && sd.equal;
     for (const auto& site : r.report.sites) {
-      const bool rows_ok = (!same_tokens || site.rows_only_b == 0) && (!same_tokens || source_dropped || site.rows_only_a == 0);
+      const bool rows_ok = (!same_tokens || source_extra || site.rows_only_b == 0) &&
+                           (!same_tokens || f.int_attr("records_dropped").value_or(0) > 0 || site.rows_only_a == 0);
       r.equal = r.equal && !site.shape_mismatch && site.mismatches == 0 && rows_ok;
     }
     replayed_file.reset();

@@ -176,7 +176,17 @@ RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const st
   try {
     out.results = gen.generate(job.prompts);
   } catch (...) {
-    if (capture) capture->finish("failed", {});  // the file stays readable
+    if (capture) {
+      // The file stays readable and keeps what ran: sequences of the batch
+      // that failed are recorded with finish_reason "failed".
+      std::vector<SequenceResult> partial = gen.partial();
+      for (auto& r : partial)
+        if (r.batch >= 0 && r.finish_reason == "interrupted") r.finish_reason = "failed";
+      try {
+        capture->finish("failed", sequence_infos(job, partial, *m.tokenizer), timings_json(gen.timings()));
+      } catch (...) {
+      }
+    }
     throw;
   }
   out.timings = gen.timings();

@@ -275,6 +275,30 @@ elif case == "interrupted":
         fail(f"replay status {fo.attrs['status']}")
     print(f"interrupted source ({len(ran)} of {len(batch)} sequences ran, reasons "
           f"{ {x: reasons.count(x) for x in set(reasons)} }): replay bit-identical")
+elif case == "failed":
+    # A run that fails mid-generation (a patch source without the rows a
+    # generated position needs) leaves a readable file with status failed and
+    # the tokens made so far; its replay stops where it stopped.
+    bsrc = os.path.join(tmp, "short.h5")
+    capture(bsrc, "--hooks", "resid_pre", prompts=[[60, 61, 62]], batch=1)
+    src = os.path.join(tmp, "failed.h5")
+    args = ["-q", "--model", MODEL, "-n", str(N_NEW), "--batch-size", "2", "-o", src, "--hooks", "resid_post",
+            "--patch", f"{bsrc},site=blocks.0.hook_resid_pre,src-seq=0", "--prompt-ids", "5,17,42,99,3",
+            "--prompt-ids", "9,8"]
+    r = dmi(*args, expect_rc=2)
+    # short.h5's sequence has rows for positions 0..7; the 5-token prompt needs 8 at its 4th token.
+    if "no row of blocks.0.hook_resid_pre for sequence 0 position 8" not in r.stderr:
+        fail(f"expected the patch to fail at position 8: {r.stderr!r}")
+    fs = h5py.File(src, "r")
+    reasons = [as_str(x) for x in fs["sequences/finish_reason"][:]]
+    if fs.attrs["status"] != "failed" or "failed" not in reasons:
+        fail(f"failed run: status {fs.attrs['status']}, reasons {reasons}")
+    out = os.path.join(tmp, "failed-replay.h5")
+    r = replay(src, "--verify", "-o", out)
+    if "failed" not in r.stderr:
+        fail(f"no warning about the failed source: {r.stderr!r}")
+    identical(src, out)
+    print(f"failed source (reasons {reasons}, {len(fs['sites/blocks.0.hook_resid_post/seq'])} rows): replay verified")
 elif case == "version1":
     # A version-1 file (no fingerprint, no batch composition) still replays:
     # a warning, batches rebuilt from batch_size, verified within tolerance.

@@ -152,6 +152,11 @@ int cmd_summary(const CaptureFile& f, const Options& o) {
   if (auto t = f.int_attr("threads")) j["threads"] = *t;
   if (auto b = f.int_attr("batch_size")) j["batch_size"] = *b;
   if (auto r = json::parse(f.text_attr("replay_of"), nullptr, false); r.is_object()) j["replay_of"] = r;
+  if (auto iv = json::parse(f.text_attr("interventions"), nullptr, false); iv.is_array() && !iv.empty()) {
+    j["interventions"] = json::array();
+    for (const auto& e : iv) j["interventions"].push_back(fmt::format("--{} {}", e.value("kind", std::string("?")),
+                                                                       e.value("spec", std::string("?"))));
+  }
   std::uint64_t stored = 0, raw = 0;
   j["sites"] = json::array();
   for (const auto& s : f.sites()) {
@@ -183,6 +188,8 @@ int cmd_summary(const CaptureFile& f, const Options& o) {
     fmt::print("  replay of    {} ({}, fingerprint {})\n", j["replay_of"].value("source", std::string("?")),
                j["replay_of"].value("mode", std::string("?")),
                j["replay_of"].value("fingerprint_matched", false) ? "matched" : "differed");
+  if (j.contains("interventions"))
+    for (const auto& e : j["interventions"]) fmt::print("  intervention {}\n", e.get<std::string>());
   fmt::print("  records      {} written, {} dropped\n", j["records_written"].get<std::int64_t>(),
              j["records_dropped"].get<std::int64_t>());
   fmt::print("  sequences    {}\n", f.n_sequences());

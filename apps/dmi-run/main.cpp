@@ -416,12 +416,16 @@ int main(int argc, char** argv) {
   auto* steer = iv->add_option("--steer", a.steer,
                                "FILE[,scale=A][,layers=0-3,10][,pos=all|prompt|generated|last-prompt|a:b|1,4|after:TEXT]"
                                "[,mode=add|normadd|set|ablate][,site=resid_post|resid_pre|resid_mid|attn_out|mlp_out]"
-                               "[,target=C]: add a steering vector (safetensors, GGUF or HDF5) at block outputs");
+                               "[,target=C]: add a steering vector (safetensors, GGUF or HDF5) at block outputs (repeatable)")
+                    ->allow_extra_args(false);
   auto* ablate = iv->add_option("--ablate", a.ablate,
-                                "SITE[,heads=0,2][,pos=..]=zero|mean:REF.h5|posmean:REF.h5|resample:REF.h5[:SEQ]");
+                                "SITE[,heads=0,2][,pos=..]=zero|mean:REF.h5|posmean:REF.h5|resample:REF.h5[:SEQ] "
+                                "(repeatable)")
+                     ->allow_extra_args(false);
   auto* patch = iv->add_option("--patch", a.patch,
                                "SRC.h5[,site=SITES][,pos=..][,src-seq=N][,src-pos=N]: replace activations with SRC's "
-                               "captured ones");
+                               "captured ones (repeatable)")
+                    ->allow_extra_args(false);
   auto* before = iv->add_flag("--capture-before-interventions", a.capture_before,
                               "captured sites record values before the interventions at that site (default: after)");
   auto* rep = app.add_option_group("Replay", "re-run a capture from its own record (docs/replay.md)");

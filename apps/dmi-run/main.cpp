@@ -145,7 +145,10 @@ int run(const Args& a) {
   engine::RunSettings s;
   s.threads = engine::configure_threads(a.threads);
   const bool capturing = !a.capture.hooks.empty();
-  if (capturing) engine::validate_capture_config(a.capture);
+  if (capturing) {
+    engine::validate_capture_config(a.capture);
+    engine::check_output_path(a.capture);
+  }
   DMI_CHECK(capturing || a.capture.output.empty(), "--output needs --hooks (which sites to capture)");
   s.model_path = a.model.empty() ? default_model_dir() : a.model;
   s.tokenizer_path = a.tokenizer;
@@ -231,6 +234,7 @@ int run_replay(const Args& a) {
   if (given("--capture-dtype")) o.capture.capture_dtype = a.capture.capture_dtype;
   if (given("--compression")) o.capture.compression = a.capture.compression;
   if (given("--ring-mb")) o.capture.ring_mb = a.capture.ring_mb;
+  o.capture.overwrite = a.capture.overwrite;
   DMI_CHECK(a.capture.sink == "hdf5" && a.capture.transport == "ring" && a.capture.on_full == "block",
             "--sink, --transport and --on-full cannot be combined with --replay (a replay writes a lossless HDF5 "
             "capture)");
@@ -402,6 +406,7 @@ int main(int argc, char** argv) {
   a.capture_flags.push_back(cap->add_option("--ring-mb", a.capture.ring_mb, "payload ring budget in MiB")
                                 ->capture_default_str()
                                 ->check(dmi::apps::kPositive));
+  cap->add_flag("--overwrite", a.capture.overwrite, "replace --output if it exists (otherwise an existing file is an error)");
   cap->add_option("--on-full", a.capture.on_full, "block (lossless) or drop (never stalls; drops are counted)")
       ->capture_default_str();
   cap->add_option("--sink", a.capture.sink, "hdf5, or null (transport only, data discarded)")->capture_default_str();

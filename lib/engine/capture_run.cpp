@@ -1,5 +1,12 @@
 #include "engine/capture_run.h"
 
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include "common/error.h"
 #include "sink/hdf5_sink.h"
 
@@ -39,6 +46,25 @@ void validate_capture_config(const CaptureConfig& c) {
   DMI_CHECK(c.transport == "ring" || c.transport == "sync" || c.transport == "materialize",
             "--transport '{}' is not ring, sync or materialize", c.transport);
   DMI_CHECK(c.sink != "hdf5" || !c.output.empty(), "--hooks with --sink hdf5 needs --output FILE.h5");
+}
+
+void check_output_path(const CaptureConfig& c) {
+  if (c.sink != "hdf5" || c.output.empty()) return;
+  const std::string& path = c.output;
+  const auto slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  struct stat st {};
+  DMI_CHECK(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "--output {}: directory {} does not exist", path,
+            dir);
+  struct statvfs vfs {};
+  DMI_CHECK(::statvfs(dir.c_str(), &vfs) != 0 || !(vfs.f_flag & ST_RDONLY), "--output {}: {} is on a read-only file "
+            "system", path, dir);
+  DMI_CHECK(::access(dir.c_str(), W_OK) == 0, "--output {}: cannot write to {}: {}", path, dir, std::strerror(errno));
+  if (::stat(path.c_str(), &st) == 0) {
+    DMI_CHECK(!S_ISDIR(st.st_mode), "--output {} is a directory", path);
+    DMI_CHECK(c.overwrite, "--output {} exists; pass --overwrite to replace it", path);
+    DMI_CHECK(::access(path.c_str(), W_OK) == 0, "--output {}: cannot replace it: {}", path, std::strerror(errno));
+  }
 }
 
 CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, const hooks::SiteSpace& space,

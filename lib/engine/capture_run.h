@@ -28,10 +28,16 @@ struct CaptureConfig {
   // ring (Ring², the real path), or the baselines dmi-bench compares with:
   // sync (each hook writes inline) and materialize (keep all, write at end).
   std::string transport = "ring";
+  bool overwrite = false;           // replace an existing output file
 };
 
 // Checks flag values that need no model; throws dmi::Error naming the flag.
 void validate_capture_config(const CaptureConfig& c);
+
+// Checks, before anything is loaded, that the HDF5 output can be created:
+// its directory exists and is writable (not a read-only file system), and
+// the file does not exist unless c.overwrite. Errors name the path.
+void check_output_path(const CaptureConfig& c);
 
 struct CaptureResult {
   ring::RingStats stats;

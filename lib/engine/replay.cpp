@@ -352,6 +352,7 @@ ReplayResult replay(const ReplayOptions& o, const std::atomic<bool>* stop,
     CaptureConfig check = s.capture;
     if (temp_output) check.output = "(temporary)";
     validate_capture_config(check);
+    if (!temp_output) check_output_path(s.capture);
   }
   if (o.mode == "forced") {
     if (o.batch_size) {

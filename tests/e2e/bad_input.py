@@ -143,6 +143,22 @@ elif case == "tokenizer-beyond-vocab":
     json.dump(t, open(os.path.join(d, "tokenizer.json"), "w"))
     args += ["--model", d, "--hooks", "resid_post", "-o", os.path.join(tmp, "never.h5")]
     expect = "has token id 300, but the model's vocab_size is 256"
+elif case == "output-exists":
+    out = os.path.join(tmp, "exists.h5")
+    open(out, "w").write("precious")
+    args += ["--model", good, "--hooks", "resid_post", "-o", out]
+    expect = "exists; pass --overwrite to replace it"
+elif case == "output-dir-missing":
+    args += ["--model", good, "--hooks", "resid_post", "-o", os.path.join(tmp, "no", "such", "dir", "x.h5")]
+    expect = "does not exist"
+elif case == "output-read-only":
+    ro = os.path.join(tmp, "ro")
+    os.mkdir(ro)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", ro], capture_output=True).returncode != 0:
+        print("skipped: cannot mount a read-only tmpfs here (needs root)")
+        sys.exit(77)
+    args += ["--model", good, "--hooks", "resid_post", "-o", os.path.join(ro, "x.h5")]
+    expect = "is on a read-only file system"
 elif case == "range-in-words":
     args += ["--model", good, "--batch-size", "0"]
     expect = "--batch-size: must be at least 1 (got 0)"
@@ -150,7 +166,12 @@ else:
     sys.exit(f"unknown case {case}")
 
 r = subprocess.run([dmi_run] + args, capture_output=True, text=True, errors="replace", timeout=120)
-left_behind = [f for f in os.listdir(tmp) if f.endswith(".h5")]
+if case == "output-read-only":
+    subprocess.run(["umount", os.path.join(tmp, "ro")], capture_output=True)
+left_behind = [f for f in os.listdir(tmp) if f.endswith(".h5") and f != "exists.h5"]
+if case == "output-exists" and open(os.path.join(tmp, "exists.h5")).read() != "precious":
+    print("FAIL: the existing file was touched")
+    sys.exit(1)
 shutil.rmtree(tmp)
 err_lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
 problems = []

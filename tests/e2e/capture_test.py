@@ -35,7 +35,8 @@ def fail(msg):
 
 
 def run(out, *extra, prompts=PROMPTS, batch=4, expect_rc=0, model=MODEL):
-    args = [dmi_run, "-q", "--model", model, "-n", str(N_NEW), "--batch-size", str(batch), "-o", out, "--json"]
+    args = [dmi_run, "-q", "--model", model, "-n", str(N_NEW), "--batch-size", str(batch), "-o", out, "--overwrite",
+            "--json"]
     for p in prompts:
         args += ["--prompt-ids", ",".join(map(str, p))]
     r = subprocess.run(args + list(extra), capture_output=True, text=True, timeout=600)
@@ -214,7 +215,7 @@ elif case == "drop":
     # The same tiny ring in block mode: a record larger than the arena is an
     # error naming --ring-mb; the file is left readable with status failed.
     r = subprocess.run([dmi_run, "-q", "--model", MODEL, "--prompt-ids", "1,2,3", "-n", "3", "--hooks", "full",
-                        "--ring-mb", "0.001", "-o", out], capture_output=True, text=True, timeout=120)
+                        "--ring-mb", "0.001", "-o", out, "--overwrite"], capture_output=True, text=True, timeout=120)
     if r.returncode != 2 or "--ring-mb" not in r.stderr:
         fail(f"block mode with an arena too small: exit {r.returncode}: {r.stderr}")
     if h5py.File(out, "r").attrs["status"] != "failed":

@@ -188,8 +188,8 @@ if case == "reference":
     report = []
     plain = json.loads(run("-q", "--model", MODEL, "--dtype", "float32", "-n", str(N_NEW), "-b", "4", "--ignore-eos",
                            "--json", *prompt_args(PROMPTS)).stdout)
-    for mode, site, pos, layers, scale in cases:
-        out = os.path.join(tmp, f"{mode}-{site}.h5")
+    for k, (mode, site, pos, layers, scale) in enumerate(cases):
+        out = os.path.join(tmp, f"{k}-{mode}-{site}.h5")
         spec = f"{vec_path},scale={scale},layers={layers},pos={pos},mode={mode},site={site}"
         r = run("-q", "--model", MODEL, "--dtype", "float32", "-n", str(N_NEW), "-b", "4", "--ignore-eos",
                 "--hooks", "full", "--capture-dtype", "float32", "-o", out, "--json", "--steer", spec,

@@ -168,6 +168,14 @@ std::unique_ptr<CaptureFile> CaptureFile::open(const std::string& path) {
       auto dims = dims_of(d.id);
       DMI_CHECK(!dims.empty(), "{}: /sites/{}/data has no rows dimension", path, name);
       e.rows = static_cast<std::int64_t>(dims[0]);
+      // A run that failed on a full disk can leave data, seq and pos of
+      // different lengths: the rows are those all three hold.
+      for (const char* ds : {"seq", "pos"}) {
+        if (H5Lexists(g.id, ds, H5P_DEFAULT) <= 0) continue;
+        H5Handle x{H5Dopen2(g.id, ds, H5P_DEFAULT), H5Dclose};
+        const auto xd = dims_of(x.id);
+        if (!xd.empty()) e.rows = std::min<std::int64_t>(e.rows, static_cast<std::int64_t>(xd[0]));
+      }
       e.row_shape.assign(dims.begin() + 1, dims.end());
       H5Handle t{H5Dget_type(d.id), H5Tclose};
       e.dtype = dtype_name(t.id);
@@ -225,6 +233,9 @@ const std::vector<std::int32_t>& CaptureFile::seq_of(const std::string& name) co
     H5Handle g{H5Gopen2(file_, ("sites/" + name).c_str(), H5P_DEFAULT), H5Gclose};
     auto seq = read_all<std::int32_t>(g.id, "seq", H5T_NATIVE_INT32, path_);
     auto pos = read_all<std::int32_t>(g.id, "pos", H5T_NATIVE_INT32, path_);
+    const auto rows = static_cast<std::size_t>(site(name).rows);
+    if (seq.size() > rows) seq.resize(rows);
+    if (pos.size() > rows) pos.resize(rows);
     it = index_cache_.emplace(name, std::make_pair(std::move(seq), std::move(pos))).first;
   }
   return it->second.first;

@@ -2,7 +2,12 @@
 
 #include <hdf5.h>
 
+#include <fcntl.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 
 #include "common/error.h"
@@ -123,6 +128,9 @@ void write_strings(hid_t loc, const std::string& name, const std::vector<std::st
 // (H5Dwrite_chunk: no hyperslab selection, no chunk cache, no second copy),
 // with filters through one whole-chunk H5Dwrite. finish() writes the last,
 // partial chunk.
+// A write the file system refused (typically: disk full).
+struct WriteError {};
+
 class Table {
  public:
   Table(hid_t group, const std::string& name, hid_t type, const std::vector<std::int64_t>& row_shape,
@@ -182,8 +190,21 @@ class Table {
   // Writes the staged rows (the last chunk, partly filled).
   void finish() {
     if (staged_ == 0) return;
-    write_rows(stage_.data(), staged_);
+    const hsize_t n = staged_;
     staged_ = 0;
+    write_rows(stage_.data(), n);
+  }
+
+  // Forgets the staged rows (after a failed write there is no room for them).
+  void discard() { staged_ = 0; }
+
+  // Rows in the file (written, not staged).
+  hsize_t rows() const { return rows_; }
+  // Drops rows past n (to keep data, seq and pos aligned after a failure).
+  void truncate(hsize_t n) {
+    if (n >= rows_) return;
+    set_extent(n);
+    rows_ = n;
   }
 
  private:
@@ -191,7 +212,7 @@ class Table {
     std::vector<hsize_t> dims(rank_);
     dims[0] = rows;
     for (int i = 1; i < rank_; ++i) dims[i] = row_dims_[i - 1];
-    H5_CHECK(H5Dset_extent(id_, dims.data()), "cannot extend a capture dataset (disk full?)");
+    if (H5Dset_extent(id_, dims.data()) < 0) throw WriteError();
   }
 
   void write_chunk(const void* data) {
@@ -199,8 +220,10 @@ class Table {
     extend(rows_ + chunk_rows_);
     std::vector<hsize_t> offset(rank_, 0);
     offset[0] = rows_;
-    H5_CHECK(H5Dwrite_chunk(id_, H5P_DEFAULT, 0, offset.data(), chunk_rows_ * row_bytes_, data),
-             "cannot write to the capture file (disk full?)");
+    if (H5Dwrite_chunk(id_, H5P_DEFAULT, 0, offset.data(), chunk_rows_ * row_bytes_, data) < 0) {
+      set_extent(rows_);  // the rows in the file stay the ones written
+      throw WriteError();
+    }
     rows_ += chunk_rows_;
   }
 
@@ -216,8 +239,18 @@ class Table {
     herr_t rc = H5Dwrite(id_, type_, mspace, fspace, H5P_DEFAULT, data);
     H5Sclose(mspace);
     H5Sclose(fspace);
-    H5_CHECK(rc, "cannot write to the capture file (disk full?)");
+    if (rc < 0) {
+      set_extent(rows_);
+      throw WriteError();
+    }
     rows_ += rows;
+  }
+
+  void set_extent(hsize_t rows) {
+    std::vector<hsize_t> dims(rank_);
+    dims[0] = rows;
+    for (int i = 1; i < rank_; ++i) dims[i] = row_dims_[i - 1];
+    H5Dset_extent(id_, dims.data());  // best effort: after a failed write the index may refuse it
   }
 
   int rank_;
@@ -263,9 +296,11 @@ class Hdf5Sink final : public Sink {
     set_attr_text(file_, "compression", compression.empty() ? "none" : compression);
     set_attr_text(file_, "status", "failed");  // until close() says otherwise
     H5Fflush(file_, H5F_SCOPE_GLOBAL);
+    reserve_space();
   }
 
   ~Hdf5Sink() override {
+    release_reserve();
     streams_.clear();
     if (sites_ >= 0) H5Gclose(sites_);
     if (file_ >= 0) H5Fclose(file_);
@@ -306,6 +341,20 @@ class Hdf5Sink final : public Sink {
 
   void write(std::uint16_t stream, std::int32_t, std::uint32_t rows, const std::int32_t* seq,
              const std::int32_t* pos, const void* data, std::size_t bytes) override {
+    if (!writer_quiet_) {  // HDF5's automatic error printing is per thread in thread-safe builds
+      H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+      writer_quiet_ = true;
+    }
+    try {
+      append(stream, rows, seq, pos, data);
+    } catch (const WriteError&) {
+      write_failed_ = true;
+      throw Error(write_failure());
+    }
+  }
+
+  void append(std::uint16_t stream, std::uint32_t rows, const std::int32_t* seq, const std::int32_t* pos,
+              const void* data) {
     Stream& s = *streams_.at(stream);
     if (s.info.layout == Layout::topk) {
       const std::int64_t k = s.info.row_shape.back();
@@ -327,9 +376,32 @@ class Hdf5Sink final : public Sink {
   }
 
   void close(const Finish& f) override {
-    for (auto& s : streams_)
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+    // The space held back at creation pays for the metadata written now, even
+    // when the data filled the disk.
+    release_reserve();
+    bool lost = false;
+    for (auto& s : streams_) {
+      for (Table* t : {s->data.get(), s->seq.get(), s->pos.get(), s->ids.get()}) {
+        if (!t) continue;
+        if (write_failed_ || lost) {
+          t->discard();  // the reserve is for the metadata that makes the file readable
+          continue;
+        }
+        try {
+          t->finish();
+        } catch (const WriteError&) {
+          lost = true;
+        }
+      }
+      // data, seq, pos (and ids) keep the same rows: those all of them hold.
+      hsize_t n = s->data->rows();
+      for (Table* t : {s->seq.get(), s->pos.get(), s->ids.get()})
+        if (t) n = std::min(n, t->rows());
       for (Table* t : {s->data.get(), s->seq.get(), s->pos.get(), s->ids.get()})
-        if (t) t->finish();
+        if (t) t->truncate(n);
+    }
+    (void)lost;
     hid_t g = H5Gcreate2(file_, "sequences", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
     DMI_CHECK(g >= 0, "{}: cannot create /sequences", path_);
     std::vector<std::int32_t> tokens, prompt_lengths, batch, row, left_pad;
@@ -377,11 +449,56 @@ class Hdf5Sink final : public Sink {
   }
 
  private:
+  // Holds back some free space in the output's directory (an unlinked file
+  // with allocated blocks), given back at close: a full disk then still
+  // leaves room to close the file readable.
+  void reserve_space() {
+    const auto slash = path_.rfind('/');
+    const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path_.substr(0, slash);
+    struct statvfs vfs {};
+    if (::statvfs(dir.c_str(), &vfs) != 0) return;
+    const std::uint64_t free_bytes = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+    const std::uint64_t want = std::clamp<std::uint64_t>(free_bytes / 8, 256u << 10, 16u << 20);
+    std::string tmpl = dir + "/.dmi-reserve-XXXXXX";
+    std::vector<char> name(tmpl.begin(), tmpl.end());
+    name.push_back('\0');
+    const int fd = ::mkstemp(name.data());
+    if (fd < 0) return;
+    ::unlink(name.data());
+    if (::posix_fallocate(fd, 0, static_cast<off_t>(want)) != 0) {
+      ::close(fd);
+      return;
+    }
+    reserve_fd_ = fd;
+  }
+  void release_reserve() {
+    if (reserve_fd_ >= 0) ::close(reserve_fd_);
+    reserve_fd_ = -1;
+  }
+  // What a refused write means: the disk is full, or another I/O error.
+  std::string write_failure() const {
+    const auto slash = path_.rfind('/');
+    const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path_.substr(0, slash);
+    struct statvfs vfs {};
+    if (::statvfs(dir.c_str(), &vfs) == 0 && static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize < (4u << 20))
+      return fmt::format("{}: disk full ({} KiB left): capture stopped; the file is closed readable with status "
+                         "failed", path_,
+                         static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize / 1024);
+    return fmt::format("{}: write failed (I/O error): capture stopped; the file is closed with status failed", path_);
+  }
+
   std::string path_;
   Compression comp_;
+  int reserve_fd_ = -1;
+  bool writer_quiet_ = false;
+  bool write_failed_ = false;
   hid_t file_ = -1, sites_ = -1;
   std::vector<std::unique_ptr<Stream>> streams_;
 };
+
+// HDF5 closes files left open at exit; after a failed H5Fclose (a full disk)
+// that walks freed state and crashes. dmi closes its files itself.
+const bool kNoHdf5AtExit = (H5dont_atexit(), true);
 
 }  // namespace
 

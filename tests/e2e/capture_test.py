@@ -224,6 +224,40 @@ elif case == "drop":
     summary = run(out, "--hooks", "full", "--ring-mb", "0.05")
     if summary["capture"]["records_dropped"] != 0 or h5py.File(out, "r").attrs["records_dropped"] != 0:
         fail("block mode dropped records")
+elif case == "disk-full":
+    # A capture onto a small tmpfs: one line naming the file and the
+    # condition, exit 2 (no crash), and a file that opens with status failed,
+    # its sequences, and data/seq/pos of equal length as dmi reads them.
+    mnt = os.path.join(tmp, "small")
+    os.mkdir(mnt)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", mnt], capture_output=True).returncode != 0:
+        print("skipped: cannot mount a tmpfs here (needs root)")
+        sys.exit(77)
+    try:
+        out = os.path.join(mnt, "full.h5")
+        dm = os.path.join(ROOT, "data", "default-model")
+        r = subprocess.run([dmi_run, "-q", "--model", dm, "-n", "60", "--ignore-eos", "--hooks", "full", "-o", out,
+                            "--prompt", "LOVE, n.", "--prompt", "WAR, n."], capture_output=True, text=True, timeout=300)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        if r.returncode != 2 or len(lines) != 1 or "disk full" not in lines[0] or out not in lines[0]:
+            fail(f"disk full: exit {r.returncode}, stderr {r.stderr!r}")
+        f = h5py.File(out, "r")
+        reasons = [x.decode() if isinstance(x, bytes) else x for x in f["sequences/finish_reason"][:]]
+        if f.attrs["status"] != "failed" or not reasons or len(f["sites"]) == 0:
+            fail(f"disk full: status {f.attrs['status']}, reasons {reasons}")
+        rows = 0
+        for name, g in f["sites"].items():
+            g["data"][:]
+            rows += g["data"].shape[0]
+        f.close()
+        d = subprocess.run([os.path.join(os.path.dirname(dmi_run), "dmi-inspect"), out, "stats", "*", "--json"],
+                           capture_output=True, text=True)
+        if d.returncode != 0:
+            fail(f"dmi-inspect on the failed file: {d.stderr}")
+        print(f"disk full: exit 2, '{lines[0]}'; file readable, status failed, {len(reasons)} sequences "
+              f"({reasons}), {rows} data rows kept")
+    finally:
+        subprocess.run(["umount", mnt], capture_output=True)
 elif case == "sigint":
     out = os.path.join(tmp, "int.h5")
     dm = os.path.join(ROOT, "data", "default-model")

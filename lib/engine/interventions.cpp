@@ -29,20 +29,8 @@ std::string abs_path(const std::string& p) {
 // Items split on commas outside braces; an item without '=' continues the
 // previous item (pos=1,4,9), except the first.
 std::vector<std::string> split_spec(const std::string& spec) {
-  std::vector<std::string> raw;
-  std::size_t i = 0;
-  while (i <= spec.size()) {
-    std::size_t j = i;
-    int depth = 0;
-    while (j < spec.size() && (spec[j] != ',' || depth > 0)) {
-      depth += spec[j] == '{' ? 1 : spec[j] == '}' ? -1 : 0;
-      ++j;
-    }
-    raw.push_back(spec.substr(i, j - i));
-    i = j + 1;
-  }
   std::vector<std::string> items;
-  for (auto& r : raw) {
+  for (auto& r : hooks::split_outside_braces(spec)) {
     if (!items.empty() && r.find('=') == std::string::npos) items.back() += "," + r;
     else items.push_back(r);
   }

@@ -122,6 +122,22 @@ void Selection::add(Site s, int layer) {
   }
 }
 
+std::vector<std::string> split_outside_braces(const std::string& spec) {
+  std::vector<std::string> items;
+  std::size_t i = 0;
+  while (i <= spec.size()) {
+    std::size_t j = i;
+    int depth = 0;
+    while (j < spec.size() && (spec[j] != ',' || depth > 0)) {
+      depth += spec[j] == '{' ? 1 : spec[j] == '}' ? -1 : 0;
+      ++j;
+    }
+    items.push_back(spec.substr(i, j - i));
+    i = j + 1;
+  }
+  return items;
+}
+
 Selection Selection::parse(const std::string& spec, const SiteSpace& space) {
   Selection sel;
   sel.space_ = space;
@@ -140,17 +156,7 @@ Selection Selection::parse(const std::string& spec, const SiteSpace& space) {
   named.emplace_back(site_name(Site::ln_final, -1), Site::ln_final, -1);
   named.emplace_back(site_name(Site::logits, -1), Site::logits, -1);
 
-  std::size_t i = 0;
-  while (i <= spec.size()) {
-    // Split on commas outside braces.
-    std::size_t j = i;
-    int depth = 0;
-    while (j < spec.size() && (spec[j] != ',' || depth > 0)) {
-      depth += spec[j] == '{' ? 1 : spec[j] == '}' ? -1 : 0;
-      ++j;
-    }
-    std::string item = spec.substr(i, j - i);
-    i = j + 1;
+  for (std::string item : split_outside_braces(spec)) {
     item.erase(0, item.find_first_not_of(" \t"));
     item.erase(item.find_last_not_of(" \t") + 1);
     if (item.empty()) continue;

@@ -51,6 +51,10 @@ class Selection {
   std::size_t count_ = 0;
 };
 
+// Splits a comma-separated spec on the commas outside braces
+// ("blocks.{0-3,10}.attn.hook_z,heads=1" -> 2 items), untrimmed.
+std::vector<std::string> split_outside_braces(const std::string& spec);
+
 // Short names accepted by --hooks ("resid_post", "pattern", ...), with sites.
 const std::vector<std::pair<std::string, Site>>& short_site_names();
 const std::vector<std::string>& preset_names();

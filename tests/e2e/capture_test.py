@@ -19,7 +19,7 @@ import torch
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import dmi_reference as ref  # noqa: E402
-from capture_util import rel_err, rows_by_key  # noqa: E402
+from capture_util import reference_row, rel_err, rows_by_key  # noqa: E402
 
 dmi_run, models, case = sys.argv[1], sys.argv[2], sys.argv[3]
 model_name = sys.argv[4] if len(sys.argv) > 4 else "qwen3-qknorm-bf16-misaligned"
@@ -56,16 +56,6 @@ def reference_sites(tokens, n_fed):
     return rec
 
 
-def expected_row(name, refs, pos, width):
-    r = refs[name][pos]
-    if name.endswith("hook_attn_scores") or name.endswith("hook_pattern"):
-        fillv = -np.inf if name.endswith("scores") else 0.0
-        out = np.full((r.shape[0], width), fillv, dtype=np.float32)
-        out[:, : pos + 1] = r[:, : pos + 1]
-        return out
-    return r
-
-
 if case == "reference":
     # Every site of the model, fp32, mixed-length batch: each row equals the
     # reference's intermediate for that sequence and position.
@@ -99,7 +89,7 @@ if case == "reference":
             for p in range(n_fed):
                 if (s, p) not in rows:
                     fail(f"{name}: no row for sequence {s} position {p}")
-                e = rel_err(rows[(s, p)], expected_row(name, refs, p, width))
+                e = rel_err(rows[(s, p)], reference_row(name, refs[name], p, width))
                 worst[name] = max(worst.get(name, 0.0), e)
     for name in f["sites"]:
         if len(f["sites"][name]["seq"]) != fed_total:

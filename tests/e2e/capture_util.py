@@ -19,3 +19,15 @@ def rel_err(a, b):
         return 0.0
     scale = max(np.abs(b[fb]).max(), 1e-30)
     return float(np.abs(a[fa] - b[fb]).max() / scale)
+
+
+def reference_row(name, ref_rows, pos, width):
+    """The reference's row at pos as a capture stores it: attention rows
+    (scores, pattern) widened to the file's attention_width, keys past pos
+    -inf (scores) or 0 (pattern)."""
+    r = ref_rows[pos]
+    if name.endswith("hook_attn_scores") or name.endswith("hook_pattern"):
+        out = np.full((r.shape[0], width), -np.inf if name.endswith("scores") else 0.0, dtype=np.float32)
+        out[:, : pos + 1] = r[:, : pos + 1]
+        return out
+    return r

@@ -20,7 +20,7 @@ import torch
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import dmi_reference as ref  # noqa: E402
-from capture_util import rel_err, rows_by_key  # noqa: E402
+from capture_util import reference_row, rel_err, rows_by_key  # noqa: E402
 
 dmi_run, models, case = sys.argv[1], sys.argv[2], sys.argv[3]
 model_name = sys.argv[4] if len(sys.argv) > 4 else "qwen3-untied-f32"
@@ -168,11 +168,7 @@ elif case == "forced":
         for name in fo["sites"]:
             rows = rows_by_key(fo, name)
             for p in range(n_fed):
-                e = rec[name][p]
-                if name.endswith("hook_attn_scores") or name.endswith("hook_pattern"):
-                    full = np.full((e.shape[0], width), -np.inf if name.endswith("scores") else 0.0, np.float32)
-                    full[:, :p + 1] = e[:, :p + 1]
-                    e = full
+                e = reference_row(name, rec[name], p, width)
                 if (s, p) not in rows:
                     fail(f"{name}: no row ({s}, {p})")
                 worst[name] = max(worst.get(name, 0.0), rel_err(rows[(s, p)], e))

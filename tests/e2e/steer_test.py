@@ -18,7 +18,7 @@ import torch
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import dmi_reference as ref  # noqa: E402
-from capture_util import rel_err, rows_by_key  # noqa: E402
+from capture_util import reference_row, rel_err, rows_by_key  # noqa: E402
 
 bindir, models, case = sys.argv[1], sys.argv[2], sys.argv[3]
 DMI_RUN = os.path.join(bindir, "dmi-run")
@@ -160,11 +160,7 @@ def check_against_reference(h5, summary, steers, model=MODEL, prompts=PROMPTS):
         for name in f["sites"]:
             rows = rows_by_key(f, name)
             for q in range(n_fed):
-                e = rec[name][q]
-                if name.endswith("hook_attn_scores") or name.endswith("hook_pattern"):
-                    full = np.full((e.shape[0], width), -np.inf if name.endswith("scores") else 0.0, np.float32)
-                    full[:, :q + 1] = e[:, :q + 1]
-                    e = full
+                e = reference_row(name, rec[name], q, width)
                 worst[name] = max(worst.get(name, 0.0), rel_err(rows[(s, q)], e))
     bad = {k: v for k, v in worst.items() if not v <= 1e-5}
     if bad:

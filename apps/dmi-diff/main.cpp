@@ -2,6 +2,7 @@
 // tolerance, 1: different, 2: usage or file error.
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <CLI/CLI.hpp>
 #include <cmath>
@@ -35,7 +36,7 @@ int run(const std::string& a_path, const std::string& b_path, const dmi::analysi
   if (as_json) {
     json j = {{"a", a_path}, {"b", b_path}, {"atol", o.atol}, {"rtol", o.rtol}, {"sites_glob", o.sites_glob},
               {"equal", equal}, {"sequences_only_a", r.sequences_only_a}, {"sequences_only_b", r.sequences_only_b},
-              {"sites_only_a", r.sites_only_a}, {"sites_only_b", r.sites_only_b}};
+              {"sites_only_a", r.sites_only_a}, {"sites_only_b", r.sites_only_b}, {"skipped_sequences", r.skipped}};
     j["sequences"] = json::array();
     for (const auto& s : r.sequences) {
       json e = {{"seq", s.seq}, {"equal", s.equal}, {"prompt_differs", s.prompt_differs}};
@@ -64,6 +65,8 @@ int run(const std::string& a_path, const std::string& b_path, const dmi::analysi
   if (r.sequences_only_a || r.sequences_only_b)
     fmt::print("sequences only in {}: {}\n", r.sequences_only_a ? a_path : b_path,
                r.sequences_only_a ? r.sequences_only_a : r.sequences_only_b);
+  if (!r.skipped.empty())
+    fmt::print("{} sequence(s) skipped by a replay, not compared: {}\n", r.skipped.size(), fmt::join(r.skipped, ", "));
   for (const auto& n : r.sites_only_a) fmt::print("site only in A: {}\n", n);
   for (const auto& n : r.sites_only_b) fmt::print("site only in B: {}\n", n);
   {

@@ -123,9 +123,19 @@ SiteDiff compare_site(const sink::CaptureFile& fa, const sink::CaptureFile& fb, 
 
 }  // namespace
 
-DiffReport diff_captures(const sink::CaptureFile& a, const sink::CaptureFile& b, const DiffOptions& o) {
+DiffReport diff_captures(const sink::CaptureFile& a, const sink::CaptureFile& b, const DiffOptions& opts) {
   DiffReport r;
   const std::size_t na = a.n_sequences(), nb = b.n_sequences();
+  // Sequences a replay left out ("skipped") are not compared.
+  DiffOptions o = opts;
+  for (std::size_t s = 0; s < std::min(na, nb); ++s)
+    if (a.finish_reason(s) == "skipped" || b.finish_reason(s) == "skipped") r.skipped.push_back(s);
+  if (!r.skipped.empty()) {
+    if (o.seqs.empty())
+      for (std::size_t s = 0; s < std::max(na, nb); ++s) o.seqs.insert(static_cast<std::int32_t>(s));
+    for (auto s : r.skipped) o.seqs.erase(static_cast<std::int32_t>(s));
+    if (o.seqs.empty()) o.seqs.insert(-1);  // everything skipped: compare no row
+  }
   for (std::size_t s = 0; s < std::min(na, nb); ++s) {
     if (!o.seqs.empty() && !o.seqs.count(static_cast<std::int32_t>(s))) continue;
     SequenceDiff sd;

@@ -38,6 +38,7 @@ struct SiteDiff {
 struct DiffReport {
   std::vector<SequenceDiff> sequences;
   std::size_t sequences_only_a = 0, sequences_only_b = 0;
+  std::vector<std::size_t> skipped;  // sequences a replay left out (finish_reason "skipped"), not compared
   std::vector<std::string> sites_only_a, sites_only_b;
   std::vector<SiteDiff> sites;
   bool equal() const;

@@ -134,7 +134,7 @@ struct WriteError {};
 class Table {
  public:
   Table(hid_t group, const std::string& name, hid_t type, const std::vector<std::int64_t>& row_shape,
-        const Compression& comp)
+        const Compression& comp, std::size_t max_chunk_rows = 8192)
       : rank_(1 + static_cast<int>(row_shape.size())), direct_(!comp.shuffle && !comp.gzip) {
     std::vector<hsize_t> dims(rank_, 0), maxdims(rank_, H5S_UNLIMITED), chunk(rank_);
     row_bytes_ = H5Tget_size(type);
@@ -144,7 +144,8 @@ class Table {
     }
     // ~128 KiB chunks of whole rows: a small capture does not pay for large,
     // mostly empty chunks, and a reader of a few rows reads little.
-    chunk[0] = static_cast<hsize_t>(std::clamp<std::size_t>((128u << 10) / std::max<std::size_t>(row_bytes_, 1), 1, 8192));
+    chunk[0] = static_cast<hsize_t>(
+        std::clamp<std::size_t>((128u << 10) / std::max<std::size_t>(row_bytes_, 1), 1, max_chunk_rows));
     chunk_rows_ = chunk[0];
     row_dims_.assign(dims.begin() + 1, dims.end());
     hid_t space = H5Screate_simple(rank_, dims.data(), maxdims.data());
@@ -332,8 +333,10 @@ class Hdf5Sink final : public Sink {
         set_attr_text(s->group, "layout", si.layout == Layout::attention ? "attention" : "dense");
       }
       hid_t i32 = H5Tcopy(H5T_STD_I32LE);
-      s->seq = std::make_unique<Table>(s->group, "seq", i32, std::vector<std::int64_t>{}, comp_);
-      s->pos = std::make_unique<Table>(s->group, "pos", i32, std::vector<std::int64_t>{}, comp_);
+      // Small index chunks (4 KiB): after a full disk they still fit in the
+      // reserve, so the data rows that reached the disk stay addressable.
+      s->seq = std::make_unique<Table>(s->group, "seq", i32, std::vector<std::int64_t>{}, comp_, 1024);
+      s->pos = std::make_unique<Table>(s->group, "pos", i32, std::vector<std::int64_t>{}, comp_, 1024);
       H5Tclose(i32);
       streams_.push_back(std::move(s));
     }
@@ -382,10 +385,14 @@ class Hdf5Sink final : public Sink {
     release_reserve();
     bool lost = false;
     for (auto& s : streams_) {
-      for (Table* t : {s->data.get(), s->seq.get(), s->pos.get(), s->ids.get()}) {
+      for (Table* t : {s->seq.get(), s->pos.get(), s->data.get(), s->ids.get()}) {
         if (!t) continue;
-        if (write_failed_ || lost) {
-          t->discard();  // the reserve is for the metadata that makes the file readable
+        // After a failed write, the reserve goes to the small index tables
+        // (so the data rows on disk stay addressable) and the metadata; the
+        // data's staged rows are dropped.
+        const bool index = t == s->seq.get() || t == s->pos.get();
+        if (lost || (write_failed_ && !index)) {
+          t->discard();
           continue;
         }
         try {
@@ -458,7 +465,7 @@ class Hdf5Sink final : public Sink {
     struct statvfs vfs {};
     if (::statvfs(dir.c_str(), &vfs) != 0) return;
     const std::uint64_t free_bytes = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
-    const std::uint64_t want = std::clamp<std::uint64_t>(free_bytes / 8, 256u << 10, 16u << 20);
+    const std::uint64_t want = std::clamp<std::uint64_t>(free_bytes / 8, 1u << 20, 16u << 20);
     std::string tmpl = dir + "/.dmi-reserve-XXXXXX";
     std::vector<char> name(tmpl.begin(), tmpl.end());
     name.push_back('\0');

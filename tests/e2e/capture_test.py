@@ -240,6 +240,8 @@ elif case == "disk-full":
             g["data"][:]
             rows += g["data"].shape[0]
         f.close()
+        if rows == 0:
+            fail("disk full: no data row survived")
         d = subprocess.run([os.path.join(os.path.dirname(dmi_run), "dmi-inspect"), out, "stats", "*", "--json"],
                            capture_output=True, text=True)
         if d.returncode != 0:

@@ -4,6 +4,7 @@
 #include <limits.h>
 #include <stdlib.h>
 
+#include <cmath>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "hooks/selection.h"
 #include "hooks/site.h"
 #include "sink/capture_file.h"
 
@@ -15,41 +16,16 @@ namespace dmi::analysis {
 namespace {
 
 std::string site_suffix_of(const std::string& short_name) {
-  static const std::map<std::string, std::string> names{{"resid_post", "hook_resid_post"},
-                                                        {"resid_pre", "hook_resid_pre"},
-                                                        {"resid_mid", "hook_resid_mid"},
-                                                        {"attn_out", "hook_attn_out"},
-                                                        {"mlp_out", "hook_mlp_out"}};
-  auto it = names.find(short_name);
-  DMI_CHECK(it != names.end(), "--site {} is not residual-shaped (resid_post, resid_pre, resid_mid, attn_out, mlp_out)",
-            short_name);
-  return it->second;
+  try {
+    return hooks::site_suffix(hooks::residual_site(short_name));
+  } catch (const Error& e) {
+    DMI_FAIL("--site: {}", e.what());
+  }
 }
 
 std::vector<int> parse_layers(const std::string& s, int n_layers) {
   std::vector<int> out;
-  if (s == "all") {
-    for (int l = 0; l < n_layers; ++l) out.push_back(l);
-    return out;
-  }
-  std::size_t i = 0;
-  while (i <= s.size()) {
-    std::size_t j = s.find(',', i);
-    if (j == std::string::npos) j = s.size();
-    const std::string item = s.substr(i, j - i);
-    const auto d = item.find('-');
-    auto num = [&](const std::string& t) {
-      DMI_CHECK(!t.empty() && t.size() < 6 && t.find_first_not_of("0123456789") == std::string::npos,
-                "--layers {}: '{}' is not a layer", s, t);
-      const int n = std::stoi(t);
-      DMI_CHECK(n < n_layers, "--layers {}: layer {} is out of range (0 to {})", s, n, n_layers - 1);
-      return n;
-    };
-    const int a = num(d == std::string::npos ? item : item.substr(0, d));
-    const int b = d == std::string::npos ? a : num(item.substr(d + 1));
-    for (int l = a; l <= b; ++l) out.push_back(l);
-    i = j + 1;
-  }
+  for (auto l : hooks::parse_index_set(s, n_layers, "--layers")) out.push_back(static_cast<int>(l));
   return out;
 }
 

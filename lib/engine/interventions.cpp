@@ -53,48 +53,22 @@ std::map<std::string, std::string> key_values(const std::vector<std::string>& it
   return kv;
 }
 
-// "0-3,10", "all" -> indices in [0, limit).
 std::set<std::int64_t> parse_index_set(const std::string& s, std::int64_t limit, const std::string& what,
                                        const std::string& flag) {
-  std::set<std::int64_t> out;
-  if (s == "all") {
-    for (std::int64_t i = 0; i < limit; ++i) out.insert(i);
-    return out;
+  try {
+    const auto v = hooks::parse_index_set(s, limit, what);
+    return {v.begin(), v.end()};
+  } catch (const Error& e) {
+    DMI_FAIL("{}: {}", flag, e.what());
   }
-  auto num = [&](const std::string& t) {
-    DMI_CHECK(!t.empty() && t.size() < 10 && t.find_first_not_of("0123456789") == std::string::npos,
-              "{}: {}={}: '{}' is not a number", flag, what, s, t);
-    const std::int64_t n = std::stoll(t);
-    DMI_CHECK(n < limit, "{}: {}={}: {} is out of range (0 to {})", flag, what, s, n, limit - 1);
-    return n;
-  };
-  std::size_t i = 0;
-  while (i <= s.size()) {
-    std::size_t j = s.find(',', i);
-    if (j == std::string::npos) j = s.size();
-    const std::string item = s.substr(i, j - i);
-    if (auto d = item.find('-'); d != std::string::npos) {
-      const auto a = num(item.substr(0, d)), b = num(item.substr(d + 1));
-      DMI_CHECK(a <= b, "{}: {}={}: range {} is empty", flag, what, s, item);
-      for (auto k = a; k <= b; ++k) out.insert(k);
-    } else {
-      out.insert(num(item));
-    }
-    i = j + 1;
-  }
-  return out;
 }
 
 Site residual_site(const std::string& s, const std::string& flag) {
-  static const std::map<std::string, Site> names{
-      {"resid_post", Site::resid_post}, {"hook_resid_post", Site::resid_post}, {"resid_pre", Site::resid_pre},
-      {"hook_resid_pre", Site::resid_pre}, {"resid_mid", Site::resid_mid}, {"hook_resid_mid", Site::resid_mid},
-      {"attn_out", Site::attn_out},       {"hook_attn_out", Site::attn_out}, {"mlp_out", Site::mlp_out},
-      {"hook_mlp_out", Site::mlp_out}};
-  auto it = names.find(s);
-  DMI_CHECK(it != names.end(), "{}: site={} is not residual-shaped (resid_post, resid_pre, resid_mid, attn_out, mlp_out)",
-            flag, s);
-  return it->second;
+  try {
+    return hooks::residual_site(s);
+  } catch (const Error& e) {
+    DMI_FAIL("{}: {}", flag, e.what());
+  }
 }
 
 std::vector<std::pair<Site, int>> parse_sites(const std::string& spec, const hooks::SiteSpace& space,

@@ -122,6 +122,34 @@ void Selection::add(Site s, int layer) {
   }
 }
 
+std::vector<std::int64_t> parse_index_set(const std::string& s, std::int64_t limit, const std::string& what) {
+  std::set<std::int64_t> out;
+  if (s == "all") {
+    for (std::int64_t i = 0; i < limit; ++i) out.insert(i);
+    return {out.begin(), out.end()};
+  }
+  auto num = [&](const std::string& t) {
+    DMI_CHECK(!t.empty() && t.size() < 10 && t.find_first_not_of("0123456789") == std::string::npos,
+              "{}={}: '{}' is not a number", what, s, t);
+    const std::int64_t n = std::stoll(t);
+    DMI_CHECK(n < limit, "{}={}: {} is out of range (0 to {})", what, s, n, limit - 1);
+    return n;
+  };
+  std::size_t i = 0;
+  while (i <= s.size()) {
+    std::size_t j = s.find(',', i);
+    if (j == std::string::npos) j = s.size();
+    const std::string item = s.substr(i, j - i);
+    const auto d = item.find('-');
+    const std::int64_t a = num(d == std::string::npos ? item : item.substr(0, d));
+    const std::int64_t b = d == std::string::npos ? a : num(item.substr(d + 1));
+    DMI_CHECK(a <= b, "{}={}: range {} is empty", what, s, item);
+    for (auto k = a; k <= b; ++k) out.insert(k);
+    i = j + 1;
+  }
+  return {out.begin(), out.end()};
+}
+
 std::vector<std::string> split_outside_braces(const std::string& spec) {
   std::vector<std::string> items;
   std::size_t i = 0;

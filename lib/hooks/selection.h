@@ -55,6 +55,10 @@ class Selection {
 // ("blocks.{0-3,10}.attn.hook_z,heads=1" -> 2 items), untrimmed.
 std::vector<std::string> split_outside_braces(const std::string& spec);
 
+// "0-3,10" (inclusive ranges and single numbers) or "all" -> the indices,
+// each below limit. Errors name `what` (e.g. "layers") and the value.
+std::vector<std::int64_t> parse_index_set(const std::string& s, std::int64_t limit, const std::string& what);
+
 // Short names accepted by --hooks ("resid_post", "pattern", ...), with sites.
 const std::vector<std::pair<std::string, Site>>& short_site_names();
 const std::vector<std::string>& preset_names();

@@ -1,5 +1,7 @@
 #include "hooks/site.h"
 
+#include "common/error.h"
+
 #include <fmt/format.h>
 
 namespace dmi::hooks {
@@ -59,6 +61,14 @@ bool parse_site_name(const std::string& name, Site& site, int& layer) {
     }
   }
   return false;
+}
+
+Site residual_site(const std::string& name) {
+  for (Site s : {Site::resid_pre, Site::resid_mid, Site::resid_post, Site::attn_out, Site::mlp_out}) {
+    const std::string suffix = site_suffix(s);  // "hook_resid_post"
+    if (name == suffix || name == suffix.substr(5)) return s;
+  }
+  DMI_FAIL("site={} is not residual-shaped (resid_post, resid_pre, resid_mid, attn_out, mlp_out)", name);
 }
 
 }  // namespace dmi::hooks

@@ -48,6 +48,11 @@ std::string site_name(Site s, int layer);
 // "hook_embed" -> (embed, -1); false for names that are not sites.
 bool parse_site_name(const std::string& name, Site& site, int& layer);
 
+// The residual-shaped sites a steering vector may target, by short name
+// ("resid_post") or suffix ("hook_resid_post"): resid_pre, resid_mid,
+// resid_post, attn_out, mlp_out. Throws dmi::Error for anything else.
+Site residual_site(const std::string& name);
+
 // What the generator knows about the tokens a forward pass processes, for
 // observers that must map batch rows back to sequences and positions.
 struct ForwardInfo {

@@ -373,17 +373,7 @@ Intervention resolve_patch(const InterventionRequest& r, const ModelView& m,
     for (auto [site, l] : iv.sites) {
       const RefSite& rs = ref->sites.at(hooks::site_name(site, l));
       for (std::int64_t p = 0; p < static_cast<std::int64_t>(prompts[s].size()); ++p) {
-        bool take = false;
-        switch (iv.positions.kind) {
-          case hooks::PositionSpec::Kind::all:
-          case hooks::PositionSpec::Kind::prompt: take = true; break;
-          case hooks::PositionSpec::Kind::last_prompt: take = p + 1 == static_cast<std::int64_t>(prompts[s].size()); break;
-          case hooks::PositionSpec::Kind::ranges:
-            for (auto [a, b] : iv.positions.ranges) take = take || (p >= a && p < b);
-            break;
-          default: break;
-        }
-        if (!take) continue;
+        if (!iv.positions.selects(p, static_cast<std::int64_t>(prompts[s].size()))) continue;
         const std::pair<std::int32_t, std::int64_t> key{src_seq ? static_cast<std::int32_t>(*src_seq)
                                                                 : static_cast<std::int32_t>(s),
                                                         src_pos ? *src_pos : p};

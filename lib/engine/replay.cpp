@@ -318,7 +318,6 @@ ReplayResult replay(const ReplayOptions& o, const std::atomic<bool>* stop,
     for (const auto& b : batches_all)
       if (std::any_of(b.begin(), b.end(), [&](std::size_t i) { return want.count(static_cast<std::int32_t>(i)); }))
         batches.push_back(b);
-    r.replayed.clear();
     for (const auto& b : batches)
       for (auto i : b) r.replayed.push_back(static_cast<std::int32_t>(i));
     std::sort(r.replayed.begin(), r.replayed.end());

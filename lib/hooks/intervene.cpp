@@ -76,6 +76,21 @@ PositionSpec PositionSpec::parse(const std::string& s) {
   return p;
 }
 
+bool PositionSpec::selects(std::int64_t p, std::int64_t plen, std::int64_t after_start) const {
+  switch (kind) {
+    case Kind::all: return true;
+    case Kind::prompt: return p < plen;
+    case Kind::generated: return p >= plen;
+    case Kind::last_prompt: return p == plen - 1;
+    case Kind::ranges:
+      for (auto [a, e] : ranges)
+        if (p >= a && p < e) return true;
+      return false;
+    case Kind::after: return after_start >= 0 && p >= after_start;
+  }
+  return false;
+}
+
 SteerMode parse_steer_mode(const std::string& s) {
   if (s == "add") return SteerMode::add;
   if (s == "normadd") return SteerMode::normadd;
@@ -124,22 +139,8 @@ const at::Tensor& Intervener::mask(std::size_t i, const ForwardInfo& info) {
     for (std::int64_t t = 0; t < T; ++t) {
       if (!va[b][t]) continue;
       const std::int64_t p = pa[b][t];
-      bool take = false;
-      switch (iv.positions.kind) {
-        case PositionSpec::Kind::all: take = true; break;
-        case PositionSpec::Kind::prompt: take = p < plen; break;
-        case PositionSpec::Kind::generated: take = p >= plen; break;
-        case PositionSpec::Kind::last_prompt: take = p == plen - 1; break;
-        case PositionSpec::Kind::ranges:
-          for (auto [a, e] : iv.positions.ranges) take = take || (p >= a && p < e);
-          break;
-        case PositionSpec::Kind::after: {
-          auto it = iv.after_start.find(seq);
-          take = it != iv.after_start.end() && p >= it->second;
-          break;
-        }
-      }
-      ma[b][t] = take;
+      auto it = iv.after_start.find(seq);
+      ma[b][t] = iv.positions.selects(p, plen, it == iv.after_start.end() ? -1 : it->second);
     }
   }
   masks_[i] = m;

@@ -32,6 +32,9 @@ struct PositionSpec {
   // all, prompt, generated, last-prompt, a:b, a list "1,4,9" (ranges too),
   // after:TEXT. Throws dmi::Error naming the value.
   static PositionSpec parse(const std::string& s);
+  // Whether position p of a sequence with a prompt of plen tokens is
+  // selected; after_start: the first position after TEXT (after:TEXT only).
+  bool selects(std::int64_t p, std::int64_t plen, std::int64_t after_start = -1) const;
 };
 
 enum class SteerMode { add, normadd, set, ablate };

@@ -408,7 +408,6 @@ class Hdf5Sink final : public Sink {
       for (Table* t : {s->data.get(), s->seq.get(), s->pos.get(), s->ids.get()})
         if (t) t->truncate(n);
     }
-    (void)lost;
     hid_t g = H5Gcreate2(file_, "sequences", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
     DMI_CHECK(g >= 0, "{}: cannot create /sequences", path_);
     std::vector<std::int32_t> tokens, prompt_lengths, batch, row, left_pad;

@@ -56,6 +56,8 @@ class CausalLM {
   virtual at::Tensor forward(const ForwardInput& in, KVCache& cache, hooks::Observer* observer = nullptr) = 0;
   // Bytes of weights read per forward (for bandwidth floors in benchmarks).
   virtual std::size_t weight_bytes() const = 0;
+  // Which kernels compute the forward pass, in words (benchmarks, logs).
+  virtual std::string kernels() const { return "aten"; }
   // The sites this model's forward produces (for --hooks).
   virtual hooks::SiteSpace site_space() const {
     return {static_cast<int>(config().num_layers), config().qk_norm, {}};

@@ -21,37 +21,44 @@ LlamaFamily::LlamaFamily(io::ModelConfig cfg, const io::WeightStore& w, at::Scal
     weight_bytes_ += t.numel() * t.element_size();
     return t;
   };
+  // The projections are packed once for the selected kernels
+  // (kernels/linear.h); q/k/v and gate/up become one matrix each.
+  isa_ = kernels::selected_isa();
+  auto linear = [&](std::vector<at::Tensor> ws, std::vector<at::Tensor> bs) {
+    return kernels::PackedLinear(ws, bs, dtype, isa_);
+  };
   embed_ = get("model.embed_tokens.weight", {V, d});
   final_norm_ = get("model.norm.weight", {d});
   if (cfg_.tie_word_embeddings) {
-    lm_head_ = embed_;
+    lm_head_ = linear({embed_}, {at::Tensor()});
   } else {
     DMI_CHECK(w.has("lm_head.weight"),
               "missing tensor 'lm_head.weight' (config.json has tie_word_embeddings=false)");
-    lm_head_ = get("lm_head.weight", {V, d});
+    lm_head_ = linear({get("lm_head.weight", {V, d})}, {at::Tensor()});
   }
   for (std::int64_t i = 0; i < cfg_.num_layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     Layer l;
     l.ln1 = get(p + "input_layernorm.weight", {d});
-    l.wq = get(p + "self_attn.q_proj.weight", {H * D, d});
-    l.wk = get(p + "self_attn.k_proj.weight", {KV * D, d});
-    l.wv = get(p + "self_attn.v_proj.weight", {KV * D, d});
-    l.wo = get(p + "self_attn.o_proj.weight", {d, H * D});
+    at::Tensor bq, bk, bv, bo;
     if (cfg_.qkv_bias) {
-      l.bq = get(p + "self_attn.q_proj.bias", {H * D});
-      l.bk = get(p + "self_attn.k_proj.bias", {KV * D});
-      l.bv = get(p + "self_attn.v_proj.bias", {KV * D});
+      bq = get(p + "self_attn.q_proj.bias", {H * D});
+      bk = get(p + "self_attn.k_proj.bias", {KV * D});
+      bv = get(p + "self_attn.v_proj.bias", {KV * D});
     }
-    if (cfg_.o_bias) l.bo = get(p + "self_attn.o_proj.bias", {d});
+    l.qkv = linear({get(p + "self_attn.q_proj.weight", {H * D, d}), get(p + "self_attn.k_proj.weight", {KV * D, d}),
+                    get(p + "self_attn.v_proj.weight", {KV * D, d})},
+                   {bq, bk, bv});
+    if (cfg_.o_bias) bo = get(p + "self_attn.o_proj.bias", {d});
+    l.o = linear({get(p + "self_attn.o_proj.weight", {d, H * D})}, {bo});
     if (cfg_.qk_norm) {
       l.q_norm = get(p + "self_attn.q_norm.weight", {D});
       l.k_norm = get(p + "self_attn.k_norm.weight", {D});
     }
     l.ln2 = get(p + "post_attention_layernorm.weight", {d});
-    l.w_gate = get(p + "mlp.gate_proj.weight", {F, d});
-    l.w_up = get(p + "mlp.up_proj.weight", {F, d});
-    l.w_down = get(p + "mlp.down_proj.weight", {d, F});
+    l.gate_up = linear({get(p + "mlp.gate_proj.weight", {F, d}), get(p + "mlp.up_proj.weight", {F, d})},
+                       {at::Tensor(), at::Tensor()});
+    l.down = linear({get(p + "mlp.down_proj.weight", {d, F})}, {at::Tensor()});
     layers_.push_back(std::move(l));
   }
   inv_freq_ = rope_inv_freq(cfg_.rope, D);
@@ -117,9 +124,10 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
     hook(Site::resid_pre, i, x);
     at::Tensor h = rms_norm(x, l.ln1);
     hook(Site::ln1_normalized, i, h);
-    at::Tensor q = at::linear(h, l.wq, l.bq).view({B, T, H, D});
-    at::Tensor k = at::linear(h, l.wk, l.bk).view({B, T, KV, D});
-    at::Tensor v = at::linear(h, l.wv, l.bv).view({B, T, KV, D});
+    at::Tensor qkv = l.qkv(h);  // [B, T, (H + 2 KV) D]
+    at::Tensor q = qkv.narrow(2, 0, H * D).view({B, T, H, D});
+    at::Tensor k = qkv.narrow(2, H * D, KV * D).view({B, T, KV, D});
+    at::Tensor v = qkv.narrow(2, (H + KV) * D, KV * D).view({B, T, KV, D});
     hook(Site::q, i, q);
     hook(Site::k, i, k);
     hook(Site::v, i, v);
@@ -152,20 +160,22 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
                        .permute({0, 3, 1, 2, 4})
                        .reshape({B, T, H, D});
     hook(Site::z, i, z);
-    at::Tensor attn_out = at::linear(z.reshape({B, T, H * D}), l.wo, l.bo);
+    at::Tensor attn_out = l.o(z.reshape({B, T, H * D}));
     hook(Site::attn_out, i, attn_out);
     x = x + attn_out;
     hook(Site::resid_mid, i, x);
 
     h = rms_norm(x, l.ln2);
     hook(Site::ln2_normalized, i, h);
-    at::Tensor gate = at::linear(h, l.w_gate);
+    const std::int64_t F = cfg_.intermediate_size;
+    at::Tensor gate_up = l.gate_up(h);  // [B, T, 2 F]
+    at::Tensor gate = gate_up.narrow(2, 0, F);
     hook(Site::mlp_pre, i, gate);
-    at::Tensor up = at::linear(h, l.w_up);
+    at::Tensor up = gate_up.narrow(2, F, F);
     hook(Site::mlp_pre_linear, i, up);
     at::Tensor act = at::silu(gate) * up;
     hook(Site::mlp_post, i, act);
-    at::Tensor mlp_out = at::linear(act, l.w_down);
+    at::Tensor mlp_out = l.down(act);
     hook(Site::mlp_out, i, mlp_out);
     x = x + mlp_out;
     hook(Site::resid_post, i, x);
@@ -177,7 +187,7 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
 #else
   const bool all = in.all_logits || (obs && obs->wants(Site::logits, -1));
 #endif
-  at::Tensor logits = at::linear(all ? x : x.narrow(1, T - 1, 1), lm_head_);
+  at::Tensor logits = lm_head_(all ? x : x.narrow(1, T - 1, 1));
   hook(Site::logits, -1, logits);
   logits = logits.to(at::kFloat);
   return all && !in.all_logits ? logits.narrow(1, T - 1, 1) : logits;

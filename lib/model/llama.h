@@ -3,6 +3,7 @@
 #pragma once
 
 #include "io/weights.h"
+#include "kernels/linear.h"
 #include "model/causal_lm.h"
 
 namespace dmi::model {
@@ -16,16 +17,20 @@ class LlamaFamily final : public CausalLM {
   KVCache new_cache(std::int64_t batch, std::int64_t capacity) const override;
   at::Tensor forward(const ForwardInput& in, KVCache& cache, hooks::Observer* observer) override;
   std::size_t weight_bytes() const override { return weight_bytes_; }
+  std::string kernels() const override { return kernels::describe(isa_, dtype_); }
 
  private:
   struct Layer {
-    at::Tensor ln1, wq, bq, wk, bk, wv, bv, wo, bo, q_norm, k_norm, ln2, w_gate, w_up, w_down;
+    at::Tensor ln1, q_norm, k_norm, ln2;
+    kernels::PackedLinear qkv, o, gate_up, down;
   };
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w) const;
 
   io::ModelConfig cfg_;
   at::ScalarType dtype_;
-  at::Tensor embed_, final_norm_, lm_head_, inv_freq_;
+  kernels::Isa isa_;
+  at::Tensor embed_, final_norm_, inv_freq_;
+  kernels::PackedLinear lm_head_;
   std::vector<Layer> layers_;
   std::size_t weight_bytes_ = 0;
 };

@@ -1,0 +1,76 @@
+// AVX-512F without BF16: bf16 weights widened to fp32 in registers (a shift
+// for the even element of each pair, a mask for the odd one), then fp32 FMAs.
+// Compiled with -mavx512f -mfma; called only when the CPU has AVX-512F.
+#include <immintrin.h>
+
+#include "kernels/gemm_impl.h"
+
+namespace dmi::kernels::detail {
+
+namespace {
+
+template <int MR>
+void tile_bf16w(const GemmArgs& a, int64_t m0, int64_t p) {
+  const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel;
+  const float* x = static_cast<const float*>(a.x) + m0 * a.x_stride;
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t pairs = a.K / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* wk = w + kp * 2 * kPanel;
+    __m512 even[4], odd[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(wk + 32 * j);
+      even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      odd[j] = _mm512_castsi512_ps(_mm512_and_si512(v, odd_mask));
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512 b0 = _mm512_set1_ps(x[r * a.x_stride + 2 * kp]);
+      const __m512 b1 = _mm512_set1_ps(x[r * a.x_stride + 2 * kp + 1]);
+      for (int j = 0; j < 4; ++j) {
+        acc[r][j] = _mm512_fmadd_ps(even[j], b0, acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(odd[j], b1, acc[r][j]);
+      }
+    }
+  }
+  alignas(64) float out[MR * kPanel];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_store_ps(out + r * kPanel + 16 * j, acc[r][j]);
+  store_tile(a, m0, MR, p, out);
+}
+
+template <int MR>
+void tile_f32w(const GemmArgs& a, int64_t m0, int64_t p) {
+  const float* w = static_cast<const float*>(a.w) + p * a.K * kPanel;
+  const float* x = static_cast<const float*>(a.x) + m0 * a.x_stride;
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < a.K; ++k) {
+    const float* wk = w + k * kPanel;
+    __m512 wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(wk + 16 * j);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 b = _mm512_set1_ps(x[r * a.x_stride + k]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], b, acc[r][j]);
+    }
+  }
+  alignas(64) float out[MR * kPanel];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_store_ps(out + r * kPanel + 16 * j, acc[r][j]);
+  store_tile(a, m0, MR, p, out);
+}
+
+}  // namespace
+
+void gemm_bf16w_avx512(const GemmArgs& a) {
+  drive<4>(a, [&](auto mr, int64_t m, int64_t p) { tile_bf16w<decltype(mr)::value>(a, m, p); });
+}
+
+void gemm_f32w_avx512(const GemmArgs& a) {
+  drive<6>(a, [&](auto mr, int64_t m, int64_t p) { tile_f32w<decltype(mr)::value>(a, m, p); });
+}
+
+}  // namespace dmi::kernels::detail

@@ -1,0 +1,44 @@
+// AVX512-BF16: vdpbf16ps multiplies bf16 pairs of x and W and adds both
+// products to fp32 accumulators; weights and x stay bf16 all the way.
+// Compiled with -mavx512f -mavx512bf16 (lib/CMakeLists.txt); called only when
+// the CPU has both (kernels/isa.cpp).
+#include <immintrin.h>
+
+#include "kernels/gemm_impl.h"
+
+namespace dmi::kernels::detail {
+
+namespace {
+
+template <int MR>
+void tile(const GemmArgs& a, int64_t m0, int64_t p) {
+  const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel;
+  const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * a.x_stride;
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t pairs = a.K / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* wk = w + kp * 2 * kPanel;
+    __m512bh wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wk + 32 * j);
+    for (int r = 0; r < MR; ++r) {
+      int32_t xv;
+      memcpy(&xv, x + r * a.x_stride + 2 * kp, 4);
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(xv);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], b);
+    }
+  }
+  alignas(64) float out[MR * kPanel];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_store_ps(out + r * kPanel + 16 * j, acc[r][j]);
+  store_tile(a, m0, MR, p, out);
+}
+
+}  // namespace
+
+void gemm_bf16w_avx512bf16(const GemmArgs& a) {
+  drive<6>(a, [&](auto mr, int64_t m, int64_t p) { tile<decltype(mr)::value>(a, m, p); });
+}
+
+}  // namespace dmi::kernels::detail

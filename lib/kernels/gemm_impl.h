@@ -1,0 +1,109 @@
+// The per-ISA GEMM entry points behind kernels/linear.h. Internal: each is
+// compiled in its own file with its own -m flags, so this header includes no
+// C++ library code and defines nothing that could be emitted once per ISA
+// and merged by the linker (only static inline helpers).
+//
+// Packed weight layout (one layout for every ISA, so a machine can run any
+// kernel it supports on the same packed buffer):
+//   W [N, K] (out_features, in_features) is cut into panels of kPanel = 64
+//   output columns, N padded with zero columns to a multiple of 64.
+//   bf16 weights: K padded to even Kp; panel p is [Kp/2][64][2] uint16, the
+//     pair (W[n][k], W[n][k+1]) of column n next to each other (the operand
+//     order of vdpbf16ps).
+//   fp32 weights: panel p is [K][64] float.
+// Every output y[m][n] is one fp32 accumulator summed over k in increasing
+// order (bf16: the pair k, k+1 per step), whatever M, the row tile or the
+// thread split: a row's result does not depend on the rows beside it. The
+// scalar, AVX2 and AVX-512 kernels use the same fused multiply-adds in the
+// same order and agree bit for bit; the AVX512-BF16 kernel (vdpbf16ps) rounds
+// differently and agrees with itself.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+namespace dmi::kernels::detail {
+
+constexpr int64_t kPanel = 64;
+
+struct GemmArgs {
+  const void* x = nullptr;  // [M, x_stride]: bf16 (uint16) for the bf16-dot kernel, else float
+  int64_t x_stride = 0;     // elements between rows of x
+  const void* w = nullptr;  // packed panels
+  const float* bias = nullptr;  // [N] or null
+  void* y = nullptr;        // [M, y_stride]: bf16 (uint16) if y_bf16, else float
+  int64_t y_stride = 0;
+  bool y_bf16 = false;
+  int64_t M = 0, K = 0, N = 0;  // K: the packed depth (Kp for bf16 weights)
+  int64_t panel_begin = 0, panel_end = 0;  // panels this call computes
+};
+
+// bf16 weights; x is bf16 pairs for _avx512bf16, float for the others.
+void gemm_bf16w_avx512bf16(const GemmArgs& a);
+void gemm_bf16w_avx512(const GemmArgs& a);
+void gemm_bf16w_avx2(const GemmArgs& a);
+void gemm_bf16w_scalar(const GemmArgs& a);
+// fp32 weights, fp32 x.
+void gemm_f32w_avx512(const GemmArgs& a);
+void gemm_f32w_avx2(const GemmArgs& a);
+void gemm_f32w_scalar(const GemmArgs& a);
+
+// float -> bfloat16, round to nearest even (NaN stays NaN): c10::BFloat16's rule.
+static inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Writes the accumulators of rows [m0, m0 + mr) x panel p (acc[r][0..64))
+// into y: bias added in fp32, columns beyond N dropped. Shared by every
+// kernel so that the rounding is the same everywhere.
+static inline void store_tile(const GemmArgs& a, int64_t m0, int mr, int64_t p, const float* acc) {
+  const int64_t n0 = p * kPanel;
+  const int64_t nn = a.N - n0 < kPanel ? a.N - n0 : kPanel;
+  for (int r = 0; r < mr; ++r) {
+    const float* src = acc + r * kPanel;
+    if (a.y_bf16) {
+      uint16_t* dst = static_cast<uint16_t*>(a.y) + (m0 + r) * a.y_stride + n0;
+      for (int64_t j = 0; j < nn; ++j) dst[j] = to_bf16(a.bias ? src[j] + a.bias[n0 + j] : src[j]);
+    } else {
+      float* dst = static_cast<float*>(a.y) + (m0 + r) * a.y_stride + n0;
+      for (int64_t j = 0; j < nn; ++j) dst[j] = a.bias ? src[j] + a.bias[n0 + j] : src[j];
+    }
+  }
+}
+
+// Rows are processed in blocks of kRowBlock (the block's x stays in L2 while
+// the thread's panels stream past it), each block in tiles of up to MaxMR
+// rows: tile(Int<MR>{}, m0, p) computes rows [m0, m0 + MR) of panel p.
+constexpr int64_t kRowBlock = 128;
+
+template <int N>
+struct Int {
+  static constexpr int value = N;
+};
+
+template <int R, class Tile>
+static inline void drive_tail(Tile& tile, int64_t m, int64_t p, int64_t rest) {
+  if constexpr (R > 0) {
+    if (rest == R) tile(Int<R>{}, m, p);
+    else drive_tail<R - 1>(tile, m, p, rest);
+  }
+}
+
+template <int MaxMR, class Tile>
+static inline void drive(const GemmArgs& a, Tile tile) {
+  for (int64_t mb = 0; mb < a.M; mb += kRowBlock) {
+    const int64_t me = a.M < mb + kRowBlock ? a.M : mb + kRowBlock;
+    for (int64_t p = a.panel_begin; p < a.panel_end; ++p) {
+      int64_t m = mb;
+      for (; m + MaxMR <= me; m += MaxMR) tile(Int<MaxMR>{}, m, p);
+      drive_tail<MaxMR - 1>(tile, m, p, me - m);
+    }
+  }
+}
+
+}  // namespace dmi::kernels::detail

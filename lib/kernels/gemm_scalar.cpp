@@ -1,0 +1,46 @@
+// Portable fallback: plain loops with fmaf, in the order the vector kernels
+// use, so every machine computes the same bits as AVX2/AVX-512 would.
+#include <math.h>
+
+#include "kernels/gemm_impl.h"
+
+namespace dmi::kernels::detail {
+
+namespace {
+
+float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace
+
+void gemm_bf16w_scalar(const GemmArgs& a) {
+  drive<1>(a, [&](auto, int64_t m, int64_t p) {
+    const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel;
+    const float* x = static_cast<const float*>(a.x) + m * a.x_stride;
+    float acc[kPanel] = {};
+    for (int64_t kp = 0; kp < a.K / 2; ++kp)
+      for (int64_t n = 0; n < kPanel; ++n) {
+        const uint16_t* pair = w + (kp * kPanel + n) * 2;
+        acc[n] = fmaf(bf16_to_float(pair[0]), x[2 * kp], acc[n]);
+        acc[n] = fmaf(bf16_to_float(pair[1]), x[2 * kp + 1], acc[n]);
+      }
+    store_tile(a, m, 1, p, acc);
+  });
+}
+
+void gemm_f32w_scalar(const GemmArgs& a) {
+  drive<1>(a, [&](auto, int64_t m, int64_t p) {
+    const float* w = static_cast<const float*>(a.w) + p * a.K * kPanel;
+    const float* x = static_cast<const float*>(a.x) + m * a.x_stride;
+    float acc[kPanel] = {};
+    for (int64_t k = 0; k < a.K; ++k)
+      for (int64_t n = 0; n < kPanel; ++n) acc[n] = fmaf(w[k * kPanel + n], x[k], acc[n]);
+    store_tile(a, m, 1, p, acc);
+  });
+}
+
+}  // namespace dmi::kernels::detail

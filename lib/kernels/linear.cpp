@@ -1,0 +1,156 @@
+#include "kernels/linear.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <fmt/format.h>
+
+#include <cstdlib>
+
+#include "common/error.h"
+#include "kernels/gemm_impl.h"
+
+namespace dmi::kernels {
+
+using detail::GemmArgs;
+using detail::kPanel;
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::aten: return "aten";
+    case Isa::scalar: return "scalar";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+    case Isa::avx512_bf16: return "avx512_bf16";
+  }
+  return "?";
+}
+
+Isa parse_isa(const std::string& name) {
+  for (Isa i : {Isa::aten, Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16})
+    if (name == isa_name(i)) return i;
+  DMI_FAIL("kernels '{}': expected one of aten, scalar, avx2, avx512, avx512_bf16", name);
+}
+
+Isa detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16")) return Isa::avx512_bf16;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) return Isa::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
+  return Isa::scalar;
+}
+
+Isa selected_isa() {
+  const Isa best = detect_isa();
+  const char* env = std::getenv("DMI_KERNELS");
+  if (!env || !*env) return best;
+  const Isa want = parse_isa(env);
+  DMI_CHECK(want == Isa::aten || static_cast<int>(want) <= static_cast<int>(best),
+            "DMI_KERNELS={}: this CPU supports up to {}", env, isa_name(best));
+  return want;
+}
+
+std::string describe(Isa isa, at::ScalarType dtype) {
+  const char* how = "";
+  switch (isa) {
+    case Isa::aten: how = "at::linear"; break;
+    case Isa::scalar: how = "portable C++"; break;
+    case Isa::avx2: how = dtype == at::kBFloat16 ? "bf16 widened in registers, FMA" : "FMA"; break;
+    case Isa::avx512: how = dtype == at::kBFloat16 ? "bf16 widened in registers, FMA" : "FMA"; break;
+    case Isa::avx512_bf16: how = dtype == at::kBFloat16 ? "vdpbf16ps" : "FMA"; break;
+  }
+  return fmt::format("{} ({}), {} threads", isa_name(isa), how, at::get_num_threads());
+}
+
+PackedLinear::PackedLinear(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& biases,
+                           at::ScalarType dtype, Isa isa)
+    : isa_(isa), dtype_(dtype) {
+  DMI_CHECK(!weights.empty() && weights.size() == biases.size(), "PackedLinear: one bias (or none) per weight");
+  DMI_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "PackedLinear: dtype must be float32 or bfloat16");
+  k_ = weights[0].size(1);
+  std::vector<at::Tensor> b;
+  bool any_bias = false;
+  for (std::size_t i = 0; i < weights.size(); ++i) {
+    DMI_CHECK(weights[i].dim() == 2 && weights[i].size(1) == k_, "PackedLinear: weights must be [N, {}]", k_);
+    n_ += weights[i].size(0);
+    any_bias = any_bias || biases[i].defined();
+  }
+  at::Tensor w = weights.size() == 1 ? weights[0].to(dtype) : at::cat(weights, 0).to(dtype);
+  if (any_bias) {
+    for (std::size_t i = 0; i < weights.size(); ++i)
+      b.push_back(biases[i].defined() ? biases[i].to(at::kFloat) : at::zeros({weights[i].size(0)}, at::kFloat));
+    bias_ = at::cat(b, 0);
+  }
+  if (isa == Isa::aten) {
+    packed_ = w.contiguous();
+    if (bias_.defined()) bias_ = bias_.to(dtype);
+    kp_ = k_;
+    return;
+  }
+  const std::int64_t panels = (n_ + kPanel - 1) / kPanel;
+  if (dtype == at::kBFloat16) {
+    // [Np, Kp] -> [P, 64, Kp/2, 2] -> [P, Kp/2, 64, 2]
+    kp_ = k_ + (k_ % 2);
+    w = at::constant_pad_nd(w, {0, kp_ - k_, 0, panels * kPanel - n_});
+    packed_ = w.view({panels, kPanel, kp_ / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  } else {
+    // [Np, K] -> [P, 64, K] -> [P, K, 64]
+    kp_ = k_;
+    w = at::constant_pad_nd(w, {0, 0, 0, panels * kPanel - n_});
+    packed_ = w.view({panels, kPanel, k_}).permute({0, 2, 1}).contiguous();
+  }
+}
+
+at::Tensor PackedLinear::operator()(const at::Tensor& x) const { return run(x, isa_); }
+
+at::Tensor PackedLinear::run(const at::Tensor& x, Isa isa) const {
+  DMI_CHECK(defined(), "PackedLinear used before it was built");
+  DMI_CHECK(x.size(-1) == k_, "linear: input has {} features, the weight {}", x.size(-1), k_);
+  DMI_CHECK(x.scalar_type() == dtype_, "linear: input is {}, the weight {}", c10::toString(x.scalar_type()),
+            c10::toString(dtype_));
+  if (isa_ == Isa::aten) return at::linear(x, packed_, bias_);
+  DMI_CHECK(isa != Isa::aten, "linear: weights were packed for the dmi kernels, not at::linear");
+  DMI_CHECK(static_cast<int>(isa) <= static_cast<int>(detect_isa()), "linear: this CPU cannot run the {} kernels",
+            isa_name(isa));
+  std::vector<std::int64_t> sizes = x.sizes().vec();
+  sizes.back() = n_;
+  const std::int64_t M = x.numel() / k_;
+  at::Tensor y = at::empty({M, n_}, x.options());
+  if (M == 0) return y.view(sizes);
+
+  const bool bf16 = dtype_ == at::kBFloat16;
+  const bool dot = bf16 && isa == Isa::avx512_bf16;
+  at::Tensor xin = x.reshape({M, k_});
+  if (!dot) xin = xin.to(at::kFloat);
+  if (kp_ != k_) xin = at::constant_pad_nd(xin, {0, kp_ - k_});
+  xin = xin.contiguous();
+
+  void (*fn)(const GemmArgs&) = nullptr;
+  switch (isa) {
+    case Isa::avx512_bf16: fn = bf16 ? detail::gemm_bf16w_avx512bf16 : detail::gemm_f32w_avx512; break;
+    case Isa::avx512: fn = bf16 ? detail::gemm_bf16w_avx512 : detail::gemm_f32w_avx512; break;
+    case Isa::avx2: fn = bf16 ? detail::gemm_bf16w_avx2 : detail::gemm_f32w_avx2; break;
+    default: fn = bf16 ? detail::gemm_bf16w_scalar : detail::gemm_f32w_scalar; break;
+  }
+  GemmArgs a;
+  a.x = xin.data_ptr();
+  a.x_stride = kp_;
+  a.w = packed_.data_ptr();
+  a.bias = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
+  a.y = y.data_ptr();
+  a.y_stride = n_;
+  a.y_bf16 = bf16;
+  a.M = M;
+  a.K = kp_;
+  a.N = n_;
+  // Threads split the output columns (whole panels): each output is still
+  // computed by one thread, in one order.
+  at::parallel_for(0, (n_ + kPanel - 1) / kPanel, 1, [&](std::int64_t begin, std::int64_t end) {
+    GemmArgs part = a;
+    part.panel_begin = begin;
+    part.panel_end = end;
+    fn(part);
+  });
+  return y.view(sizes);
+}
+
+}  // namespace dmi::kernels

@@ -1,0 +1,57 @@
+// Linear layers on packed weights: y = x·Wᵀ + b with hand-written CPU kernels
+// chosen at run time (AVX512-BF16, AVX-512F, AVX2+FMA, portable C++), or
+// ATen's at::linear. The model packs each projection once at load (q/k/v and
+// gate/up fused into one matrix each) and calls it every forward pass.
+//
+// Results are batch invariant by construction: each output is one fp32
+// accumulator over k in a fixed order, so a row's values do not depend on
+// how many rows are computed with it (kernels/gemm_impl.h).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dmi::kernels {
+
+enum class Isa { aten, scalar, avx2, avx512, avx512_bf16 };
+
+const char* isa_name(Isa isa);
+// "aten", "scalar", "avx2", "avx512", "avx512_bf16"; throws dmi::Error otherwise.
+Isa parse_isa(const std::string& name);
+// The best kernels this CPU (and OS) supports.
+Isa detect_isa();
+// detect_isa(), lowered to $DMI_KERNELS when that names a supported choice
+// (aten selects at::linear); an unknown or unsupported value is an error.
+Isa selected_isa();
+// One line for logs and benchmark reports: "avx512_bf16 (vdpbf16ps), 2 threads".
+std::string describe(Isa isa, at::ScalarType dtype);
+
+class PackedLinear {
+ public:
+  PackedLinear() = default;
+  // The weights [N_i, K] are stacked along N (one matrix for fused
+  // projections); biases are each empty or [N_i]. dtype: kFloat or kBFloat16.
+  PackedLinear(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& biases, at::ScalarType dtype,
+               Isa isa);
+  // x [..., K] of the packed dtype -> [..., N].
+  at::Tensor operator()(const at::Tensor& x) const;
+  // The same product with a lower ISA on the same packing (tests).
+  at::Tensor run(const at::Tensor& x, Isa isa) const;
+
+  std::int64_t in_features() const { return k_; }
+  std::int64_t out_features() const { return n_; }
+  Isa isa() const { return isa_; }
+  bool defined() const { return n_ > 0; }
+
+ private:
+  Isa isa_ = Isa::aten;
+  at::ScalarType dtype_{};
+  std::int64_t k_ = 0, kp_ = 0, n_ = 0;
+  at::Tensor packed_;  // panels (gemm_impl.h), or the plain [N, K] weight for aten
+  at::Tensor bias_;    // [N] float32 (packed) or dtype (aten); undefined when there is none
+};
+
+}  // namespace dmi::kernels

@@ -146,8 +146,11 @@ int main(int argc, char** argv) {
     json summary = json::array();
     fmt::print("model {} ({}, {}), {} threads, prompt {} + {} new tokens, {} repeats (+{} warm-up)\n", model_dir,
                model->config().architecture, dtype, threads, cfg.prompt_len, cfg.new_tokens, cfg.repeats, cfg.warmup);
-    fmt::print("weights {:.1f} MB at {:.1f} GB/s read bandwidth: decode floor {:.1f} ms/step\n\n",
+    fmt::print("weights {:.1f} MB at {:.1f} GB/s read bandwidth: decode floor {:.1f} ms/step\n",
                model->weight_bytes() / 1e6, bw, floor_ms);
+    const json env = json::parse(dmi::engine::environment_json(threads));
+    fmt::print("kernels {}; CPU {} [{}]\n\n", model->kernels(), env["cpu_model"].get<std::string>(),
+               fmt::join(env["cpu_flags"].get<std::vector<std::string>>(), " "));
     fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>9} {:>9} {:>15} {:>9} {:>15} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7}\n",
                "batch", "hooks", "mode", "prefill", "decode", "TPOT", "e2e", "overhead", "[95% CI]", "step", "[95% CI]",
                "MB", "MB/s", "RSS MB", "ring MB", "wait s", "sink s");
@@ -210,7 +213,8 @@ int main(int argc, char** argv) {
                 {"threads", threads}, {"prompt_len", cfg.prompt_len}, {"new_tokens", cfg.new_tokens},
                 {"repeats", cfg.repeats}, {"warmup", cfg.warmup}, {"batch_sizes", cfg.batch_sizes},
                 {"hooks", cfg.hooks}, {"modes", cfg.modes}, {"weight_bytes", model->weight_bytes()},
-                {"read_bandwidth_gbs", bw}, {"decode_floor_ms", floor_ms}, {"summary", summary},
+                {"read_bandwidth_gbs", bw}, {"decode_floor_ms", floor_ms}, {"kernels", model->kernels()},
+                {"environment", env}, {"summary", summary},
                 {"runs", json::array()}};
       for (const auto& r : runs)
         j["runs"].push_back({{"batch", r.batch}, {"hooks", r.hooks}, {"mode", r.mode}, {"repeat", r.repeat},

@@ -163,8 +163,11 @@ std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
           r.seconds = t2 - t0;
           r.capture_finish_seconds = t2 - t1;
           r.prefill_tps = t.prefill_tokens / t.prefill_seconds;
-          r.decode_tps = t.decode_tokens / t.decode_seconds;
-          r.tpot_ms = 1000.0 * t.decode_seconds / std::max<std::int64_t>(1, cfg.new_tokens);
+          // The first new token comes from the prefill's logits: decode is
+          // the new_tokens - 1 steps after it (as scripts/hf_eager_bench.py).
+          const std::int64_t steps = std::max<std::int64_t>(1, cfg.new_tokens - 1);
+          r.decode_tps = static_cast<double>(B * steps) / t.decode_seconds;
+          r.tpot_ms = 1000.0 * t.decode_seconds / static_cast<double>(steps);
           r.e2e_tps = (t.prefill_tokens + t.decode_tokens) / r.seconds;
           r.bytes = cr.stats.bytes_written;
           r.records = cr.stats.records_written;

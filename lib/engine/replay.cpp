@@ -170,7 +170,7 @@ Source read_source(const ReplayOptions& o) {
 std::vector<std::string> environment_differences(const json& recorded, const json& now) {
   std::vector<std::string> out;
   if (!recorded.is_object()) return out;
-  for (const char* key : {"libtorch_version", "cpu_flags", "aten_cpu_capability", "onednn_isa", "openblas_core"})
+  for (const char* key : {"libtorch_version", "cpu_flags", "dmi_kernels", "aten_cpu_capability", "onednn_isa", "openblas_core"})
     if (recorded.contains(key) && recorded[key] != now[key])
       out.push_back(fmt::format("{}: recorded {}, now {}", key, recorded[key].dump(), now[key].dump()));
   return out;

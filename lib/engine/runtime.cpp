@@ -1,5 +1,7 @@
 #include "engine/runtime.h"
 
+#include "kernels/linear.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <torch/version.h>
@@ -92,6 +94,8 @@ std::string environment_json(int threads) {
   for (std::string line; std::getline(config, line);)
     if (auto k = line.find("CPU capability usage:"); k != std::string::npos) aten = line.substr(k + 22);
   j["aten_cpu_capability"] = aten;
+  // The linear layers' kernels (kernels/linear.h): bit patterns depend on them.
+  j["dmi_kernels"] = kernels::isa_name(kernels::selected_isa());
   j["onednn_isa"] = onednn_isa();
   using CoreName = char* (*)();
   auto core = reinterpret_cast<CoreName>(::dlsym(RTLD_DEFAULT, "openblas_get_corename"));

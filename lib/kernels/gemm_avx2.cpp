@@ -1,6 +1,8 @@
-// AVX2 + FMA: 16 registers, so each 64-column panel is computed as four
-// 16-column strips. Same FMAs in the same order as the AVX-512 and scalar
-// kernels. Compiled with -mavx2 -mfma.
+// AVX2 + FMA: 16 registers. One row (decode) takes a whole 64-column panel
+// per pass (8 accumulators), so the weights stream once, in order; tiles of
+// more rows compute the panel as 32-column strips (8 accumulators for two
+// rows). Same FMAs in the same order as the AVX-512 and scalar kernels.
+// Compiled with -mavx2 -mfma.
 #include <immintrin.h>
 
 #include "kernels/gemm_impl.h"
@@ -9,70 +11,89 @@ namespace dmi::kernels::detail {
 
 namespace {
 
-template <int MR>
-void tile_bf16w(const GemmArgs& a, int64_t m0, int64_t p) {
-  const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel;
+// Columns [c0, c0 + 8 S) of panel p for MR rows: S accumulators per row.
+template <int MR, int S>
+void strip_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int c0, float* out) {
+  const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel + 2 * c0;
   const float* x = static_cast<const float*>(a.x) + m0 * a.x_stride;
   const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  alignas(32) float out[MR * kPanel];
+  __m256 acc[MR][S];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < S; ++j) acc[r][j] = _mm256_setzero_ps();
+  const bool pf = streams(m0);
   const int64_t pairs = a.K / 2;
-  for (int s = 0; s < 4; ++s) {  // columns [16 s, 16 s + 16)
-    __m256 acc[MR][2];
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t kp = 0; kp < pairs; ++kp) {
-      const uint16_t* wk = w + kp * 2 * kPanel + 32 * s;
-      __m256 even[2], odd[2];
-      for (int j = 0; j < 2; ++j) {
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* wk = w + kp * 2 * kPanel;
+    if (pf) prefetch_ahead(wk);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 b0 = _mm256_broadcast_ss(x + r * a.x_stride + 2 * kp);
+      const __m256 b1 = _mm256_broadcast_ss(x + r * a.x_stride + 2 * kp + 1);
+      for (int j = 0; j < S; ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 16 * j));
-        even[j] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        odd[j] = _mm256_castsi256_ps(_mm256_and_si256(v, odd_mask));
-      }
-      for (int r = 0; r < MR; ++r) {
-        const __m256 b0 = _mm256_broadcast_ss(x + r * a.x_stride + 2 * kp);
-        const __m256 b1 = _mm256_broadcast_ss(x + r * a.x_stride + 2 * kp + 1);
-        for (int j = 0; j < 2; ++j) {
-          acc[r][j] = _mm256_fmadd_ps(even[j], b0, acc[r][j]);
-          acc[r][j] = _mm256_fmadd_ps(odd[j], b1, acc[r][j]);
-        }
+        acc[r][j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), b0, acc[r][j]);
+        acc[r][j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, odd_mask)), b1, acc[r][j]);
       }
     }
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < 2; ++j) _mm256_store_ps(out + r * kPanel + 16 * s + 8 * j, acc[r][j]);
   }
-  store_tile(a, m0, MR, p, out);
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < S; ++j) _mm256_store_ps(out + r * kPanel + c0 + 8 * j, acc[r][j]);
 }
 
-template <int MR>
-void tile_f32w(const GemmArgs& a, int64_t m0, int64_t p) {
-  const float* w = static_cast<const float*>(a.w) + p * a.K * kPanel;
+template <int MR, int S>
+void strip_f32w(const GemmArgs& a, int64_t m0, int64_t p, int c0, float* out) {
+  const float* w = static_cast<const float*>(a.w) + p * a.K * kPanel + c0;
   const float* x = static_cast<const float*>(a.x) + m0 * a.x_stride;
-  alignas(32) float out[MR * kPanel];
-  for (int s = 0; s < 4; ++s) {
-    __m256 acc[MR][2];
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < a.K; ++k) {
-      const float* wk = w + k * kPanel + 16 * s;
-      const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
-      for (int r = 0; r < MR; ++r) {
-        const __m256 b = _mm256_broadcast_ss(x + r * a.x_stride + k);
-        acc[r][0] = _mm256_fmadd_ps(w0, b, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(w1, b, acc[r][1]);
-      }
+  __m256 acc[MR][S];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < S; ++j) acc[r][j] = _mm256_setzero_ps();
+  const bool pf = streams(m0);
+  for (int64_t k = 0; k < a.K; ++k) {
+    const float* wk = w + k * kPanel;
+    if (pf) prefetch_ahead(wk);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 b = _mm256_broadcast_ss(x + r * a.x_stride + k);
+      for (int j = 0; j < S; ++j) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(wk + 8 * j), b, acc[r][j]);
     }
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < 2; ++j) _mm256_store_ps(out + r * kPanel + 16 * s + 8 * j, acc[r][j]);
   }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < S; ++j) _mm256_store_ps(out + r * kPanel + c0 + 8 * j, acc[r][j]);
+}
+
+template <int MR, class Strip>
+void tile(const GemmArgs& a, int64_t m0, int64_t p, Strip strip) {
+  alignas(32) float out[MR * kPanel];
+  strip(out);
   store_tile(a, m0, MR, p, out);
 }
 
 }  // namespace
 
 void gemm_bf16w_avx2(const GemmArgs& a) {
-  drive<4>(a, [&](auto mr, int64_t m, int64_t p) { tile_bf16w<decltype(mr)::value>(a, m, p); });
+  drive<2>(a, [&](auto mr, int64_t m, int64_t p) {
+    constexpr int MR = decltype(mr)::value;
+    tile<MR>(a, m, p, [&](float* out) {
+      if constexpr (MR == 1) {
+        strip_bf16w<1, 8>(a, m, p, 0, out);
+      } else {
+        strip_bf16w<MR, 4>(a, m, p, 0, out);
+        strip_bf16w<MR, 4>(a, m, p, 32, out);
+      }
+    });
+  });
 }
 
 void gemm_f32w_avx2(const GemmArgs& a) {
-  drive<6>(a, [&](auto mr, int64_t m, int64_t p) { tile_f32w<decltype(mr)::value>(a, m, p); });
+  drive<2>(a, [&](auto mr, int64_t m, int64_t p) {
+    constexpr int MR = decltype(mr)::value;
+    tile<MR>(a, m, p, [&](float* out) {
+      if constexpr (MR == 1) {
+        strip_f32w<1, 8>(a, m, p, 0, out);
+      } else {
+        strip_f32w<MR, 4>(a, m, p, 0, out);
+        strip_f32w<MR, 4>(a, m, p, 32, out);
+      }
+    });
+  });
 }
 
 }  // namespace dmi::kernels::detail

@@ -17,9 +17,11 @@ void tile_bf16w(const GemmArgs& a, int64_t m0, int64_t p) {
   __m512 acc[MR][4];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const bool pf = streams(m0);
   const int64_t pairs = a.K / 2;
   for (int64_t kp = 0; kp < pairs; ++kp) {
     const uint16_t* wk = w + kp * 2 * kPanel;
+    if (pf) prefetch_ahead(wk);
     __m512 even[4], odd[4];
     for (int j = 0; j < 4; ++j) {
       const __m512i v = _mm512_loadu_si512(wk + 32 * j);
@@ -48,8 +50,10 @@ void tile_f32w(const GemmArgs& a, int64_t m0, int64_t p) {
   __m512 acc[MR][4];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const bool pf = streams(m0);
   for (int64_t k = 0; k < a.K; ++k) {
     const float* wk = w + k * kPanel;
+    if (pf) prefetch_ahead(wk);
     __m512 wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(wk + 16 * j);
     for (int r = 0; r < MR; ++r) {

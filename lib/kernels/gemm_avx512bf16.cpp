@@ -17,9 +17,11 @@ void tile(const GemmArgs& a, int64_t m0, int64_t p) {
   __m512 acc[MR][4];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const bool pf = streams(m0);
   const int64_t pairs = a.K / 2;
   for (int64_t kp = 0; kp < pairs; ++kp) {
     const uint16_t* wk = w + kp * 2 * kPanel;
+    if (pf) prefetch_ahead(wk);
     __m512bh wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wk + 32 * j);
     for (int r = 0; r < MR; ++r) {

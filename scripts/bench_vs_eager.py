@@ -1,0 +1,126 @@
+#!/usr/bin/python3
+"""dmi's engine against PyTorch eager with Hugging Face semantics, interleaved.
+
+Each round runs, in an order rotated from round to round, (1) the eager
+baseline scripts/hf_eager_bench.py, (2) dmi-bench's `off` mode (no capture)
+with the kernels dmi picks for this CPU, and, with --before KERNELS, (3)
+dmi-bench again with DMI_KERNELS=KERNELS (e.g. `aten`: ATen's at::linear,
+the engine before lib/kernels). Every engine gets one warm-up per run.
+Ratios are taken within a round and reported as the median and range over
+rounds, so that a noisy neighbour hits all engines alike.
+
+  /usr/bin/python3 scripts/bench_vs_eager.py --model build/bench-models/qwen3-0.6b-shape \\
+      --dtype bfloat16 --batch-sizes 1,8 --prompt-len 32 --new-tokens 24 --rounds 3 --before aten
+  /usr/bin/python3 scripts/bench_vs_eager.py --model build/bench-models/qwen3-0.6b-shape \\
+      --dtype bfloat16 --batch-sizes 8 --prompt-len 256 --new-tokens 2 --rounds 3    # prefill
+
+Reported per batch size: decode tokens/s of each engine and dmi/eager
+(target: >= 3x at batch 8), TPOT / the weight-read floor that dmi-bench
+measures (target: <= 1.3x at batch 1), prefill tokens/s and dmi/eager.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def run_eager(a, out):
+    cmd = ["/usr/bin/python3", os.path.join(HERE, "hf_eager_bench.py"), a.model, "--dtype", a.dtype,
+           "--batch-sizes", a.batch_sizes, "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens),
+           "--repeats", "1", "--warmup", "1", "--json", out]
+    if a.threads:
+        cmd += ["--threads", str(a.threads)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    res = {}
+    with open(out) as f:
+        for line in f:
+            r = json.loads(line)
+            res[r["batch"]] = {"decode_tps": r["decode_tps"], "prefill_tps": r["prefill_tps"], "tpot_ms": r["tpot_ms"]}
+    return res, {}
+
+
+def run_dmi(a, out, kernels=None):
+    cmd = [a.dmi_bench, "--model", a.model, "--dtype", a.dtype, "--batch-sizes", a.batch_sizes, "--prompt-len",
+           str(a.prompt_len), "--new-tokens", str(a.new_tokens), "--modes", "off", "--repeats", "1", "--warmup", "1",
+           "--json", out, "-q"]
+    if a.threads:
+        cmd += ["--threads", str(a.threads)]
+    env = dict(os.environ)
+    if kernels:
+        env["DMI_KERNELS"] = kernels
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+    with open(out) as f:
+        j = json.load(f)
+    res = {s["batch"]: {"decode_tps": s["decode_tokens_per_second"], "prefill_tps": s["prefill_tokens_per_second"],
+                        "tpot_ms": s["time_per_output_token_ms"]} for s in j["summary"]}
+    return res, {"floor_ms": j["decode_floor_ms"], "bandwidth_gbs": j["read_bandwidth_gbs"], "kernels": j["kernels"],
+                 "cpu_flags": j["environment"]["cpu_flags"], "cpu_model": j["environment"]["cpu_model"]}
+
+
+def spread(v):
+    return f"{statistics.median(v):.2f}x [{min(v):.2f}-{max(v):.2f}]"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--before", help="also run dmi-bench with DMI_KERNELS=BEFORE (e.g. aten)")
+    ap.add_argument("--dmi-bench", default=os.path.join(ROOT, "build", "bin", "dmi-bench"))
+    ap.add_argument("--json", help="write every round's numbers here")
+    a = ap.parse_args()
+    if a.rounds < 1 or a.new_tokens < 2:
+        sys.exit("bench_vs_eager: --rounds must be >= 1 and --new-tokens >= 2")
+    engines = [("eager", lambda out: run_eager(a, out)), ("dmi", lambda out: run_dmi(a, out))]
+    if a.before:
+        engines.append((f"dmi[{a.before}]", lambda out: run_dmi(a, out, a.before)))
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.rounds):
+            got, meta = {}, {}
+            for k in range(len(engines)):
+                name, fn = engines[(k + r) % len(engines)]
+                got[name], m = fn(os.path.join(tmp, "out.json"))
+                meta.setdefault(name, m)
+                print(f"round {r + 1}/{a.rounds}: {name} " +
+                      ", ".join(f"b{b}: decode {v['decode_tps']:.1f} tok/s, prefill {v['prefill_tps']:.1f} tok/s"
+                                for b, v in sorted(got[name].items())), file=sys.stderr, flush=True)
+            rounds.append({"results": got, "meta": meta})
+    m = rounds[0]["meta"]["dmi"]
+    print(f"{a.dtype}, prompt {a.prompt_len} + {a.new_tokens} new tokens, {a.rounds} rounds; kernels {m['kernels']}")
+    print(f"CPU {m['cpu_model']} [{' '.join(m['cpu_flags'])}]")
+    floors = [rd["meta"]["dmi"]["floor_ms"] for rd in rounds]
+    print(f"weight-read floor {statistics.median(floors):.1f} ms/step (read bandwidth "
+          f"{statistics.median(rd['meta']['dmi']['bandwidth_gbs'] for rd in rounds):.1f} GB/s)\n")
+    names = [n for n, _ in engines]
+    for b in sorted(rounds[0]["results"]["dmi"]):
+        print(f"batch {b}")
+        for n in names:
+            dec = [rd["results"][n][b]["decode_tps"] for rd in rounds]
+            pre = [rd["results"][n][b]["prefill_tps"] for rd in rounds]
+            tpot = [rd["results"][n][b]["tpot_ms"] for rd in rounds]
+            line = (f"  {n:<12} decode {statistics.median(dec):8.1f} tok/s  TPOT {statistics.median(tpot):7.1f} ms"
+                    f"  prefill {statistics.median(pre):8.1f} tok/s")
+            if n != "eager":
+                line += (f"  | vs eager: decode {spread([d / rd['results']['eager'][b]['decode_tps'] for d, rd in zip(dec, rounds)])}"
+                         f"  prefill {spread([p / rd['results']['eager'][b]['prefill_tps'] for p, rd in zip(pre, rounds)])}"
+                         f"  | TPOT/floor {spread([t / rd['meta']['dmi']['floor_ms'] for t, rd in zip(tpot, rounds)])}")
+            print(line)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "rounds": rounds}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+// The linear kernels (lib/kernels) against a float64 reference, against each
+// other, and against themselves at other batch sizes (bitwise).
+#include <ATen/ATen.h>
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <vector>
+
+#include "common/error.h"
+#include "kernels/linear.h"
+
+using dmi::kernels::Isa;
+using dmi::kernels::PackedLinear;
+
+namespace {
+
+std::vector<Isa> supported() {
+  std::vector<Isa> out;
+  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16})
+    if (static_cast<int>(i) <= static_cast<int>(dmi::kernels::detect_isa())) out.push_back(i);
+  return out;
+}
+
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() && at::equal(a.contiguous().view(at::kByte), b.contiguous().view(at::kByte));
+}
+
+struct Shape {
+  std::int64_t n, k;
+  bool bias;
+};
+const std::vector<Shape> kShapes = {{1, 1, false}, {3, 5, true}, {64, 64, false}, {100, 37, true}, {130, 256, false},
+                                    {200, 130, true}};
+
+}  // namespace
+
+TEST_CASE("kernels: every ISA matches a float64 reference, fp32 and bf16, odd shapes, bias") {
+  at::manual_seed(1);
+  for (auto dtype : {at::kFloat, at::kBFloat16})
+    for (const auto& s : kShapes) {
+      at::Tensor w = at::randn({s.n, s.k}).to(dtype), b = s.bias ? at::randn({s.n}).to(dtype) : at::Tensor();
+      at::Tensor x = at::randn({7, s.k}).to(dtype);
+      at::Tensor ref = at::matmul(x.to(at::kDouble), w.to(at::kDouble).t());
+      if (s.bias) ref = ref + b.to(at::kDouble);
+      // fp32 accumulation error bound, plus the output's rounding for bf16.
+      at::Tensor scale = at::matmul(x.to(at::kDouble).abs(), w.to(at::kDouble).abs().t()) + 1;
+      const double out_rel = dtype == at::kBFloat16 ? 1.0 / 256 : 0;
+      PackedLinear lin({w}, {b}, dtype, Isa::scalar);
+      for (Isa isa : supported()) {
+        CAPTURE(dmi::kernels::isa_name(isa));
+        CAPTURE(s.n);
+        CAPTURE(s.k);
+        at::Tensor y = lin.run(x, isa).to(at::kDouble);
+        REQUIRE(y.sizes() == ref.sizes());
+        at::Tensor excess = (y - ref).abs() - (ref.abs() * out_rel + scale * 1e-6);
+        CHECK(excess.max().item<double>() <= 0);
+      }
+    }
+}
+
+TEST_CASE("kernels: scalar, AVX2 and AVX-512 agree bit for bit; AVX512-BF16 with itself") {
+  at::manual_seed(2);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    at::Tensor w = at::randn({200, 130}).to(dtype), x = at::randn({9, 130}).to(dtype);
+    PackedLinear lin({w}, {at::Tensor()}, dtype, Isa::scalar);
+    const at::Tensor ref = lin.run(x, Isa::scalar);
+    for (Isa isa : supported()) {
+      if (isa == Isa::avx512_bf16 && dtype == at::kBFloat16) continue;  // vdpbf16ps rounds its own way
+      CAPTURE(dmi::kernels::isa_name(isa));
+      CHECK(same_bits(lin.run(x, isa), ref));
+    }
+  }
+}
+
+TEST_CASE("kernels: a row's result does not depend on the batch (sizes 1, 3, 8, 17, 300), bitwise") {
+  at::manual_seed(3);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    at::Tensor w = at::randn({150, 96}).to(dtype), b = at::randn({150}).to(dtype);
+    at::Tensor x = at::randn({300, 96}).to(dtype);
+    PackedLinear lin({w}, {b}, dtype, Isa::scalar);
+    for (Isa isa : supported()) {
+      CAPTURE(dmi::kernels::isa_name(isa));
+      CAPTURE(c10::toString(dtype));
+      const at::Tensor all = lin.run(x, isa);
+      for (std::int64_t m : {1, 3, 8, 17, 300}) {
+        CAPTURE(m);
+        // Rows [m, 2m) alone in a batch of m, or the last rows when 2m > 300.
+        const std::int64_t first = std::min<std::int64_t>(m, 300 - m);
+        CHECK(same_bits(lin.run(x.narrow(0, first, m), isa), all.narrow(0, first, m)));
+      }
+      for (std::int64_t r : {0, 5, 127, 128, 299}) CHECK(same_bits(lin.run(x.narrow(0, r, 1), isa), all.narrow(0, r, 1)));
+    }
+  }
+}
+
+TEST_CASE("kernels: fused projections equal the separate ones; leading dims kept; bad input named") {
+  at::manual_seed(4);
+  const auto isa = dmi::kernels::detect_isa();
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    at::Tensor w1 = at::randn({70, 48}).to(dtype), w2 = at::randn({20, 48}).to(dtype), b2 = at::randn({20}).to(dtype);
+    at::Tensor x = at::randn({2, 3, 48}).to(dtype);
+    PackedLinear fused({w1, w2}, {at::Tensor(), b2}, dtype, isa);
+    PackedLinear one({w1}, {at::Tensor()}, dtype, isa), two({w2}, {b2}, dtype, isa);
+    at::Tensor y = fused(x);
+    CHECK(y.sizes() == at::IntArrayRef({2, 3, 90}));
+    CHECK(same_bits(y.narrow(2, 0, 70), one(x)));
+    CHECK(same_bits(y.narrow(2, 70, 20), two(x)));
+    CHECK_THROWS_WITH_AS(fused(at::randn({2, 47}).to(dtype)), "linear: input has 47 features, the weight 48",
+                         dmi::Error);
+  }
+  CHECK_THROWS_AS(dmi::kernels::parse_isa("avx9"), dmi::Error);
+  CHECK(dmi::kernels::parse_isa("avx2") == Isa::avx2);
+}
+
+TEST_CASE("kernels: aten (at::linear) stays available for comparison") {
+  at::manual_seed(5);
+  at::Tensor w = at::randn({33, 20}), b = at::randn({33}), x = at::randn({4, 20});
+  PackedLinear lin({w}, {b}, at::kFloat, Isa::aten);
+  CHECK(at::allclose(lin(x), at::linear(x, w, b), 1e-5, 1e-5));
+}

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "common/error.h"
+#include "kernels/ops.h"
 #include "model/rope.h"
 
 namespace dmi::model {
@@ -76,9 +77,7 @@ KVCache LlamaFamily::new_cache(std::int64_t batch, std::int64_t capacity) const 
 
 // Hugging Face's LlamaRMSNorm: float32 statistics, cast back, then weight.
 at::Tensor LlamaFamily::rms_norm(const at::Tensor& x, const at::Tensor& w) const {
-  at::Tensor h = x.to(at::kFloat);
-  h = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + cfg_.rms_norm_eps);
-  return w * h.to(x.scalar_type());
+  return kernels::rms_norm(x, w, cfg_.rms_norm_eps);
 }
 
 at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::Observer* obs) {
@@ -137,8 +136,8 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
       hook(Site::q_normalized, i, q);
       hook(Site::k_normalized, i, k);
     }
-    q = apply_rope(q, cos, sin);
-    k = apply_rope(k, cos, sin);
+    q = kernels::rope(q, cos, sin);
+    k = kernels::rope(k, cos, sin);
     hook(Site::rot_q, i, q);
     hook(Site::rot_k, i, k);
 
@@ -148,17 +147,24 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
     at::Tensor values = cache.v[li].narrow(2, 0, L);  // [B, KV, L, D]
 
     // Grouped-query attention without repeating K/V: query heads of one KV
-    // head (h = kv * G + g, as HF's repeat_kv) share a matmul.
-    at::Tensor qg = q.view({B, T, KV, G, D}).permute({0, 2, 3, 1, 4}).reshape({B, KV, G * T, D});
-    at::Tensor scores = at::matmul(qg, keys.transpose(-1, -2)).mul_(scale).reshape({B, H, T, L});
-    scores.masked_fill_(masked, -std::numeric_limits<double>::infinity());
+    // head (h = kv * G + g, as HF's repeat_kv) share a matmul. One new token
+    // per sequence (decode) goes through the fused kernels instead.
+    at::Tensor scores;
+    if (T == 1) {
+      scores = kernels::attention_scores(q, cache.k[li], L, masked, scale);  // [B, H, 1, L]
+    } else {
+      at::Tensor qg = q.view({B, T, KV, G, D}).permute({0, 2, 3, 1, 4}).reshape({B, KV, G * T, D});
+      scores = at::matmul(qg, keys.transpose(-1, -2)).mul_(scale).reshape({B, H, T, L});
+      scores.masked_fill_(masked, -std::numeric_limits<double>::infinity());
+    }
     hook(Site::attn_scores, i, scores);
     at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(dtype_);
     hook(Site::pattern, i, probs);
-    at::Tensor z = at::matmul(probs.reshape({B, KV, G * T, L}), values)  // [B, KV, G*T, D]
-                       .reshape({B, KV, G, T, D})
-                       .permute({0, 3, 1, 2, 4})
-                       .reshape({B, T, H, D});
+    at::Tensor z = T == 1 ? kernels::attention_values(probs, cache.v[li], L)
+                          : at::matmul(probs.reshape({B, KV, G * T, L}), values)  // [B, KV, G*T, D]
+                                .reshape({B, KV, G, T, D})
+                                .permute({0, 3, 1, 2, 4})
+                                .reshape({B, T, H, D});
     hook(Site::z, i, z);
     at::Tensor attn_out = l.o(z.reshape({B, T, H * D}));
     hook(Site::attn_out, i, attn_out);
@@ -173,7 +179,7 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
     hook(Site::mlp_pre, i, gate);
     at::Tensor up = gate_up.narrow(2, F, F);
     hook(Site::mlp_pre_linear, i, up);
-    at::Tensor act = at::silu(gate) * up;
+    at::Tensor act = kernels::silu_mul(gate, up);
     hook(Site::mlp_post, i, act);
     at::Tensor mlp_out = l.down(act);
     hook(Site::mlp_out, i, mlp_out);

@@ -16,7 +16,6 @@ at::Tensor rope_inv_freq(const io::RopeConfig& rope, std::int64_t head_dim);
 std::pair<at::Tensor, at::Tensor> rope_cos_sin(const at::Tensor& inv_freq, const at::Tensor& positions,
                                               at::ScalarType dtype);
 
-// x * cos + rotate_half(x) * sin for x [B, T, heads, head_dim].
-at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// Applied by kernels::rope (x * cos + rotate_half(x) * sin).
 
 }  // namespace dmi::model

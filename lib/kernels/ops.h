@@ -1,0 +1,40 @@
+// The small per-layer operations of a decode step, fused into one loop each:
+// ATen spends more time dispatching and allocating for a handful of rows
+// than computing them. Numerics follow Hugging Face's eager code step by
+// step (the same roundings to bf16 at the same points); only the order of
+// fp32 summations differs from ATen's. Each row is computed alone, in a fixed
+// order, so results do not depend on the batch.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace dmi::kernels {
+
+// Hugging Face's RMSNorm over the last dim: float32 statistics, normalized
+// value cast to x's dtype, then multiplied by w (in x's dtype).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+
+// Rotary embedding as HF's apply_rotary_pos_emb: x * cos + rotate_half(x) *
+// sin, each product and the sum rounded to the dtype. x [B, T, H, D];
+// cos, sin [B, T, 1, D] of x's dtype.
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// SwiGLU: silu(gate) rounded to the dtype, times up, rounded (HF's
+// act_fn(gate_proj(x)) * up_proj(x)).
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
+
+// Grouped-query attention scores: q [B, T, H, D]; keys [B, KV, capacity, D]
+// (columns [0, L) used; query head h reads KV head h / (H / KV));
+// masked [B, 1, T, L] bool. Returns [B, H, T, L] in q's dtype:
+// (q·k rounded to the dtype) * scale, rounded; -inf where masked (HF: matmul,
+// then * scaling).
+at::Tensor attention_scores(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, const at::Tensor& masked,
+                            double scale);
+
+// z [B, T, H, D] = probs [B, H, T, L] · values [B, KV, capacity, D] (columns
+// [0, L)), accumulated in fp32 over columns in order, rounded to the dtype.
+at::Tensor attention_values(const at::Tensor& probs, const at::Tensor& values, std::int64_t L);
+
+}  // namespace dmi::kernels

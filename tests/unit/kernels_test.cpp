@@ -118,3 +118,79 @@ TEST_CASE("kernels: aten (at::linear) stays available for comparison") {
   PackedLinear lin({w}, {b}, at::kFloat, Isa::aten);
   CHECK(at::allclose(lin(x), at::linear(x, w, b), 1e-5, 1e-5));
 }
+
+// ---------------------------------------------------------------------------
+// kernels/ops: against the ATen expressions of Hugging Face's eager code.
+
+#include "kernels/ops.h"
+
+namespace {
+
+// |a - b| <= rel |b| + abs, elementwise (float64).
+double excess(const at::Tensor& a, const at::Tensor& b, double rel, double abs) {
+  at::Tensor x = a.to(at::kDouble), y = b.to(at::kDouble);
+  return ((x - y).abs() - (y.abs() * rel + abs)).max().item<double>();
+}
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const std::int64_t h = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1);
+}
+
+}  // namespace
+
+TEST_CASE("ops: RMSNorm, RoPE and SwiGLU follow HF's eager expressions") {
+  at::manual_seed(6);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    CAPTURE(c10::toString(dtype));
+    const double ulp = dtype == at::kBFloat16 ? 1.0 / 128 : 2e-6;
+    at::Tensor x = at::randn({3, 5, 96}).to(dtype), w = at::randn({96}).to(dtype);
+    at::Tensor h = x.to(at::kFloat);
+    at::Tensor want = w * (h * at::rsqrt(h.pow(2).mean(-1, true) + 1e-6)).to(dtype);
+    CHECK(excess(dmi::kernels::rms_norm(x, w, 1e-6), want, ulp, 1e-6) <= 0);
+
+    // RoPE: the same roundings in the same places, so the same bits.
+    at::Tensor q = at::randn({2, 3, 4, 64}).to(dtype);
+    at::Tensor cos = at::randn({2, 3, 1, 64}).to(dtype), sin = at::randn({2, 3, 1, 64}).to(dtype);
+    CHECK(at::equal(dmi::kernels::rope(q, cos, sin), q * cos + rotate_half(q) * sin));
+
+    // SwiGLU on halves of one projection (strided views).
+    at::Tensor gu = at::randn({2, 3, 80}).to(dtype);
+    at::Tensor g = gu.narrow(2, 0, 40), u = gu.narrow(2, 40, 40);
+    CHECK(excess(dmi::kernels::silu_mul(g, u), at::silu(g) * u, 2 * ulp, 1e-6) <= 0);
+  }
+  CHECK_THROWS_AS(dmi::kernels::rms_norm(at::randn({2, 8}), at::randn({7}), 1e-6), dmi::Error);
+}
+
+TEST_CASE("ops: decode attention equals the matmul path and does not depend on the batch") {
+  at::manual_seed(7);
+  const std::int64_t B = 3, H = 8, KV = 2, G = H / KV, D = 32, cap = 40, L = 29;
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    CAPTURE(c10::toString(dtype));
+    const double ulp = dtype == at::kBFloat16 ? 1.0 / 128 : 1e-5;
+    at::Tensor q = at::randn({B, 1, H, D}).to(dtype);
+    at::Tensor keys = at::randn({B, KV, cap, D}).to(dtype), values = at::randn({B, KV, cap, D}).to(dtype);
+    at::Tensor masked = at::rand({B, 1, 1, L}) < 0.3;
+    masked.select(3, L - 1).fill_(false);  // every query sees its own column
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    at::Tensor s = dmi::kernels::attention_scores(q, keys, L, masked, scale);
+    // The matmul path of model/llama.cpp (prefill).
+    at::Tensor qg = q.view({B, 1, KV, G, D}).permute({0, 2, 3, 1, 4}).reshape({B, KV, G, D});
+    at::Tensor want = at::matmul(qg, keys.narrow(2, 0, L).transpose(-1, -2)).mul_(scale).reshape({B, H, 1, L});
+    want.masked_fill_(masked, -std::numeric_limits<double>::infinity());
+    CHECK(at::equal(at::isinf(s), at::isinf(want)));
+    at::Tensor finite = at::logical_not(at::isinf(want));
+    CHECK(excess(s.masked_select(finite), want.masked_select(finite), 2 * ulp, 1e-5) <= 0);
+
+    at::Tensor p = at::softmax(s, -1, at::kFloat).to(dtype);
+    at::Tensor z = dmi::kernels::attention_values(p, values, L);
+    at::Tensor zwant = at::matmul(p.reshape({B, KV, G, L}), values.narrow(2, 0, L))
+                           .reshape({B, KV, G, 1, D}).permute({0, 3, 1, 2, 4}).reshape({B, 1, H, D});
+    CHECK(excess(z, zwant, 2 * ulp, 1e-5) <= 0);
+
+    // Sequence 1 alone: the same bits.
+    at::Tensor s1 = dmi::kernels::attention_scores(q.narrow(0, 1, 1), keys.narrow(0, 1, 1), L, masked.narrow(0, 1, 1), scale);
+    CHECK(at::equal(s1, s.narrow(0, 1, 1)));
+    CHECK(at::equal(dmi::kernels::attention_values(p.narrow(0, 1, 1), values.narrow(0, 1, 1), L), z.narrow(0, 1, 1)));
+  }
+}

@@ -14,6 +14,10 @@ rounds, so that a noisy neighbour hits all engines alike.
   /usr/bin/python3 scripts/bench_vs_eager.py --model build/bench-models/qwen3-0.6b-shape \\
       --dtype bfloat16 --batch-sizes 8 --prompt-len 256 --new-tokens 2 --rounds 3    # prefill
 
+--emulate-no-bf16 runs both engines as on an AVX-512 CPU without AVX512-BF16:
+oneDNN is capped with ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI (so eager's bf16
+matmuls take the path such CPUs get) and dmi with DMI_KERNELS=avx512.
+
 Reported per batch size: decode tokens/s of each engine and dmi/eager
 (target: >= 3x at batch 8), TPOT / the weight-read floor that dmi-bench
 measures (target: <= 1.3x at batch 1), prefill tokens/s and dmi/eager.
@@ -30,13 +34,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
+def engine_env(a, kernels=None):
+    env = dict(os.environ)
+    if a.emulate_no_bf16:
+        env["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_VNNI"
+        env["DNNL_MAX_CPU_ISA"] = "AVX512_CORE_VNNI"  # oneDNN 2.x before the rename
+        env["DMI_KERNELS"] = "avx512"
+    if kernels:
+        env["DMI_KERNELS"] = kernels
+    return env
+
+
 def run_eager(a, out):
     cmd = ["/usr/bin/python3", os.path.join(HERE, "hf_eager_bench.py"), a.model, "--dtype", a.dtype,
            "--batch-sizes", a.batch_sizes, "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens),
            "--repeats", "1", "--warmup", "1", "--json", out]
     if a.threads:
         cmd += ["--threads", str(a.threads)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=engine_env(a))
     res = {}
     with open(out) as f:
         for line in f:
@@ -51,10 +66,7 @@ def run_dmi(a, out, kernels=None):
            "--json", out, "-q"]
     if a.threads:
         cmd += ["--threads", str(a.threads)]
-    env = dict(os.environ)
-    if kernels:
-        env["DMI_KERNELS"] = kernels
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=engine_env(a, kernels))
     with open(out) as f:
         j = json.load(f)
     res = {s["batch"]: {"decode_tps": s["decode_tokens_per_second"], "prefill_tps": s["prefill_tokens_per_second"],
@@ -77,6 +89,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--before", help="also run dmi-bench with DMI_KERNELS=BEFORE (e.g. aten)")
+    ap.add_argument("--emulate-no-bf16", action="store_true",
+                    help="cap oneDNN and dmi's kernels below AVX512-BF16 (see above)")
     ap.add_argument("--dmi-bench", default=os.path.join(ROOT, "build", "bin", "dmi-bench"))
     ap.add_argument("--json", help="write every round's numbers here")
     a = ap.parse_args()
@@ -98,7 +112,8 @@ def main():
                                 for b, v in sorted(got[name].items())), file=sys.stderr, flush=True)
             rounds.append({"results": got, "meta": meta})
     m = rounds[0]["meta"]["dmi"]
-    print(f"{a.dtype}, prompt {a.prompt_len} + {a.new_tokens} new tokens, {a.rounds} rounds; kernels {m['kernels']}")
+    print(f"{a.dtype}, prompt {a.prompt_len} + {a.new_tokens} new tokens, {a.rounds} rounds; kernels {m['kernels']}"
+          + ("; emulating a CPU without AVX512-BF16 (oneDNN capped at avx512_core_vnni)" if a.emulate_no_bf16 else ""))
     print(f"CPU {m['cpu_model']} [{' '.join(m['cpu_flags'])}]")
     floors = [rd["meta"]["dmi"]["floor_ms"] for rd in rounds]
     print(f"weight-read floor {statistics.median(floors):.1f} ms/step (read bandwidth "

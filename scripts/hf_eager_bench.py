@@ -37,6 +37,11 @@ if "OPENBLAS_CORETYPE" not in os.environ:
     elif "avx2" in flags:
         os.environ["OPENBLAS_CORETYPE"] = "Haswell"
 
+# fp32 matmuls run on OpenBLAS's own threads: torch's OpenMP workers must not
+# spin against them on few cores (what dmi-run does too, engine/runtime.cpp).
+if "float32" in sys.argv:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 

@@ -64,13 +64,21 @@ void gemm_f32w_avx512(const GemmArgs& a);
 void gemm_f32w_avx2(const GemmArgs& a);
 void gemm_f32w_scalar(const GemmArgs& a);
 
+// One attention score row (kernels/ops.cpp): false when D is not a multiple
+// of 16 (the caller falls back to the portable loop).
+bool scores_row_avx512(const uint16_t* q, const uint16_t* keys, const bool* masked, uint16_t* out, int64_t L,
+                       int64_t D, float scale);
+bool scores_row_avx512(const float* q, const float* keys, const bool* masked, float* out, int64_t L, int64_t D,
+                       float scale);
+
 // float -> bfloat16, round to nearest even (NaN stays NaN): c10::BFloat16's rule.
 static inline uint16_t to_bf16(float f) {
   uint32_t u;
   memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x40u;
+  const uint32_t nan_mask = 0u - static_cast<uint32_t>((u & 0x7fffffffu) > 0x7f800000u);  // no branch: vectorizes
+  return static_cast<uint16_t>((rounded & ~nan_mask) | (quiet_nan & nan_mask));
 }
 
 // Writes the accumulators of rows [m0, m0 + mr) x panel p (acc[r][0..64))

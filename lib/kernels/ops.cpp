@@ -3,36 +3,45 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 
 #include "common/error.h"
 #include "kernels/gemm_impl.h"
+#include "kernels/linear.h"
 
 namespace dmi::kernels {
 
 namespace {
 
-inline float load(const float* p, std::int64_t i) { return p[i]; }
-inline float load(const std::uint16_t* p, std::int64_t i) {
+#define DMI_INLINE inline __attribute__((always_inline))
+// The row loops below are compiled three times (AVX-512F, AVX2, baseline
+// x86-64) and picked at load time (GCC target_clones, an ifunc). With FMA
+// contraction off (lib/CMakeLists.txt) and fixed summation orders, all three
+// compute the same bits; only the vector width differs.
+#define DMI_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+DMI_INLINE float load(const float* p, std::int64_t i) { return p[i]; }
+DMI_INLINE float load(const std::uint16_t* p, std::int64_t i) {
   const std::uint32_t u = static_cast<std::uint32_t>(p[i]) << 16;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
-inline float round_to(float v, const float*) { return v; }
-inline float round_to(float v, const std::uint16_t*) {
+DMI_INLINE float round_to(float v, const float*) { return v; }
+DMI_INLINE float round_to(float v, const std::uint16_t*) {
   const std::uint16_t h = detail::to_bf16(v);
   return load(&h, 0);
 }
-inline void store(float* p, std::int64_t i, float v) { p[i] = v; }
-inline void store(std::uint16_t* p, std::int64_t i, float v) { p[i] = detail::to_bf16(v); }
+DMI_INLINE void store(float* p, std::int64_t i, float v) { p[i] = v; }
+DMI_INLINE void store(std::uint16_t* p, std::int64_t i, float v) { p[i] = detail::to_bf16(v); }
 
 // Dot product in 16 fp32 lanes, summed pairwise at the end: a fixed order
 // the compiler can vectorize without reassociating.
 template <class Ta, class Tb>
-float dot(const Ta* a, const Tb* b, std::int64_t n) {
+DMI_INLINE float dot(const Ta* a, const Tb* b, std::int64_t n) {
   float acc[16] = {};
   std::int64_t i = 0;
   for (; i + 16 <= n; i += 16)
@@ -43,40 +52,146 @@ float dot(const Ta* a, const Tb* b, std::int64_t n) {
   return acc[0];
 }
 
+// exp(x) for float, Cephes' polynomial after rounding x / ln 2 to an integer
+// n (relative error ~2e-7; tests/unit/kernels_test.cpp). Plain arithmetic,
+// so it vectorizes, and gives the same bits on every CPU.
+DMI_INLINE float fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = x * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: round to nearest
+  const float n = t - 12582912.0f;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  std::int32_t ni;
+  std::memcpy(&ni, &t, 4);
+  const std::int32_t bits = (ni - 0x4B400000 + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return y * scale;
+}
+
+template <class E>
+DMI_INLINE void rms_norm_row(const E* x, const E* w, E* o, std::int64_t n, float eps) {
+  const float mean = dot(x, x, n) / static_cast<float>(n);
+  const float inv = 1.0f / std::sqrt(mean + eps);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float h = round_to(load(x, i) * inv, x);  // h.to(x.dtype)
+    store(o, i, load(w, i) * h);                    // w * h in the dtype
+  }
+}
+
+template <class E>
+DMI_INLINE void rope_row(const E* x, const E* c, const E* s, E* o, std::int64_t D) {
+  const std::int64_t half = D / 2;
+  for (std::int64_t i = 0; i < half; ++i) {  // rotate_half: [-x2, x1]
+    const float a = round_to(load(x, i) * load(c, i), x), b = round_to(-load(x, i + half) * load(s, i), x);
+    store(o, i, a + b);
+  }
+  for (std::int64_t i = half; i < D; ++i) {
+    const float a = round_to(load(x, i) * load(c, i), x), b = round_to(load(x, i - half) * load(s, i), x);
+    store(o, i, a + b);
+  }
+}
+
+template <class E>
+DMI_INLINE void silu_mul_row(const E* g, const E* u, E* o, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float x = load(g, i);
+    const float act = round_to(x / (1.0f + fast_exp(-x)), g);  // silu, in the dtype
+    store(o, i, act * load(u, i));
+  }
+}
+
+// One query row against L keys; masked keys cost nothing.
+template <class E>
+DMI_INLINE void scores_row(const E* q, const E* kb, const bool* m, E* o, std::int64_t L, std::int64_t D,
+                           float scale) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (std::int64_t c = 0; c < L; ++c) store(o, c, m[c] ? neg_inf : round_to(dot(q, kb + c * D, D), q) * scale);
+}
+
+template <class E>
+DMI_INLINE void values_row(const E* p, const E* vb, E* o, std::int64_t L, std::int64_t D, float* acc) {
+  for (std::int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+  for (std::int64_t c = 0; c < L; ++c) {
+    const float pc = load(p, c);
+    const E* v = vb + c * D;
+    for (std::int64_t d = 0; d < D; ++d) acc[d] += pc * load(v, d);
+  }
+  for (std::int64_t d = 0; d < D; ++d) store(o, d, acc[d]);
+}
+
+template <class E>
+DMI_INLINE void softmax_row(const E* x, E* o, std::int64_t n, float* e) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float mx = neg_inf;
+  for (std::int64_t i = 0; i < n; ++i) mx = std::max(mx, load(x, i));
+  if (mx == neg_inf) mx = 0.0f;  // a fully masked row: all zeros, not NaN
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float v = load(x, i);
+    e[i] = v == neg_inf ? 0.0f : fast_exp(v - mx);
+  }
+  float sum = 0.0f;
+  for (std::int64_t i = 0; i < n; ++i) sum += e[i];  // in order: zeros change nothing
+  const float denom = sum > 0.0f ? sum : 1.0f;
+  for (std::int64_t i = 0; i < n; ++i) store(o, i, e[i] / denom);
+}
+
+using bf16 = std::uint16_t;
+DMI_CLONES void rms_norm_row_f(const float* x, const float* w, float* o, std::int64_t n, float eps) { rms_norm_row(x, w, o, n, eps); }
+DMI_CLONES void rms_norm_row_b(const bf16* x, const bf16* w, bf16* o, std::int64_t n, float eps) { rms_norm_row(x, w, o, n, eps); }
+DMI_CLONES void rope_row_f(const float* x, const float* c, const float* s, float* o, std::int64_t D) { rope_row(x, c, s, o, D); }
+DMI_CLONES void rope_row_b(const bf16* x, const bf16* c, const bf16* s, bf16* o, std::int64_t D) { rope_row(x, c, s, o, D); }
+DMI_CLONES void silu_mul_row_f(const float* g, const float* u, float* o, std::int64_t n) { silu_mul_row(g, u, o, n); }
+DMI_CLONES void silu_mul_row_b(const bf16* g, const bf16* u, bf16* o, std::int64_t n) { silu_mul_row(g, u, o, n); }
+DMI_CLONES void softmax_row_f(const float* x, float* o, std::int64_t n, float* e) { softmax_row(x, o, n, e); }
+DMI_CLONES void softmax_row_b(const bf16* x, bf16* o, std::int64_t n, float* e) { softmax_row(x, o, n, e); }
+DMI_CLONES void scores_row_f(const float* q, const float* k, const bool* m, float* o, std::int64_t L, std::int64_t D, float s) { scores_row(q, k, m, o, L, D, s); }
+DMI_CLONES void scores_row_b(const bf16* q, const bf16* k, const bool* m, bf16* o, std::int64_t L, std::int64_t D, float s) { scores_row(q, k, m, o, L, D, s); }
+DMI_CLONES void values_row_f(const float* p, const float* v, float* o, std::int64_t L, std::int64_t D, float* acc) { values_row(p, v, o, L, D, acc); }
+DMI_CLONES void values_row_b(const bf16* p, const bf16* v, bf16* o, std::int64_t L, std::int64_t D, float* acc) { values_row(p, v, o, L, D, acc); }
+
+// Overloads the templates below call.
+void rms_norm_row_any(const float* x, const float* w, float* o, std::int64_t n, float eps) { rms_norm_row_f(x, w, o, n, eps); }
+void rms_norm_row_any(const bf16* x, const bf16* w, bf16* o, std::int64_t n, float eps) { rms_norm_row_b(x, w, o, n, eps); }
+void rope_row_any(const float* x, const float* c, const float* s, float* o, std::int64_t D) { rope_row_f(x, c, s, o, D); }
+void rope_row_any(const bf16* x, const bf16* c, const bf16* s, bf16* o, std::int64_t D) { rope_row_b(x, c, s, o, D); }
+void silu_mul_row_any(const float* g, const float* u, float* o, std::int64_t n) { silu_mul_row_f(g, u, o, n); }
+void silu_mul_row_any(const bf16* g, const bf16* u, bf16* o, std::int64_t n) { silu_mul_row_b(g, u, o, n); }
+void softmax_row_any(const float* x, float* o, std::int64_t n, float* e) { softmax_row_f(x, o, n, e); }
+void softmax_row_any(const bf16* x, bf16* o, std::int64_t n, float* e) { softmax_row_b(x, o, n, e); }
+bool has_avx512() {
+  static const bool yes = static_cast<int>(detect_isa()) >= static_cast<int>(Isa::avx512);
+  return yes;
+}
+void scores_row_any(const float* q, const float* k, const bool* m, float* o, std::int64_t L, std::int64_t D, float s) {
+  if (!has_avx512() || !detail::scores_row_avx512(q, k, m, o, L, D, s)) scores_row_f(q, k, m, o, L, D, s);
+}
+void scores_row_any(const bf16* q, const bf16* k, const bool* m, bf16* o, std::int64_t L, std::int64_t D, float s) {
+  if (!has_avx512() || !detail::scores_row_avx512(q, k, m, o, L, D, s)) scores_row_b(q, k, m, o, L, D, s);
+}
+void values_row_any(const float* p, const float* v, float* o, std::int64_t L, std::int64_t D, float* acc) { values_row_f(p, v, o, L, D, acc); }
+void values_row_any(const bf16* p, const bf16* v, bf16* o, std::int64_t L, std::int64_t D, float* acc) { values_row_b(p, v, o, L, D, acc); }
+
 template <class E>
 void rms_norm_rows(const E* x, const E* w, E* out, std::int64_t rows, std::int64_t n, float eps) {
-  at::parallel_for(0, rows, 64, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t r = begin; r < end; ++r) {
-      const E* xr = x + r * n;
-      const float mean = dot(xr, xr, n) / static_cast<float>(n);
-      const float inv = 1.0f / std::sqrt(mean + eps);
-      E* o = out + r * n;
-      for (std::int64_t i = 0; i < n; ++i) {
-        const float h = round_to(load(xr, i) * inv, xr);  // h.to(x.dtype)
-        store(o, i, load(w, i) * h);                      // w * h in the dtype
-      }
-    }
+  at::parallel_for(0, rows, 16, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) rms_norm_row_any(x + r * n, w, out + r * n, n, eps);
   });
 }
 
 template <class E>
 void rope_rows(const E* x, const E* cos, const E* sin, E* out, std::int64_t B, std::int64_t T, std::int64_t H,
                std::int64_t D) {
-  const std::int64_t half = D / 2;
   at::parallel_for(0, B * T, 1, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t bt = begin; bt < end; ++bt) {
-      const E* c = cos + bt * D;
-      const E* s = sin + bt * D;
-      for (std::int64_t h = 0; h < H; ++h) {
-        const E* xr = x + (bt * H + h) * D;
-        E* o = out + (bt * H + h) * D;
-        for (std::int64_t i = 0; i < D; ++i) {
-          const float rot = i < half ? -load(xr, i + half) : load(xr, i - half);
-          const float a = round_to(load(xr, i) * load(c, i), xr), b = round_to(rot * load(s, i), xr);
-          store(o, i, a + b);
-        }
-      }
-    }
+    for (std::int64_t bt = begin; bt < end; ++bt)
+      for (std::int64_t h = 0; h < H; ++h)
+        rope_row_any(x + (bt * H + h) * D, cos + bt * D, sin + bt * D, out + (bt * H + h) * D, D);
   });
 }
 
@@ -84,16 +199,15 @@ template <class E>
 void silu_mul_rows(const E* g, const E* u, E* out, std::int64_t rows, std::int64_t n, std::int64_t g_stride,
                    std::int64_t u_stride) {
   at::parallel_for(0, rows, 1, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t r = begin; r < end; ++r) {
-      const E* gr = g + r * g_stride;
-      const E* ur = u + r * u_stride;
-      E* o = out + r * n;
-      for (std::int64_t i = 0; i < n; ++i) {
-        const float x = load(gr, i);
-        const float act = round_to(x / (1.0f + std::exp(-x)), gr);
-        store(o, i, act * load(ur, i));
-      }
-    }
+    for (std::int64_t r = begin; r < end; ++r) silu_mul_row_any(g + r * g_stride, u + r * u_stride, out + r * n, n);
+  });
+}
+
+template <class E>
+void softmax_rows(const E* x, E* out, std::int64_t rows, std::int64_t n) {
+  at::parallel_for(0, rows, 16, [&](std::int64_t begin, std::int64_t end) {
+    std::vector<float> e(static_cast<std::size_t>(n));
+    for (std::int64_t r = begin; r < end; ++r) softmax_row_any(x + r * n, out + r * n, n, e.data());
   });
 }
 
@@ -106,24 +220,12 @@ void scores_impl(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, co
   const E* kp = reinterpret_cast<const E*>(keys.data_ptr());
   const bool* mp = masked.data_ptr<bool>();
   E* op = reinterpret_cast<E*>(out.data_ptr());
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * H, 1, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t bh = begin; bh < end; ++bh) {
       const std::int64_t b = bh / H, h = bh % H, kv = h / G;
-      const E* kb = kp + (b * KV + kv) * cap * D;
-      for (std::int64_t t = 0; t < T; ++t) {
-        const E* qr = qp + ((b * T + t) * H + h) * D;
-        const bool* m = mp + (b * T + t) * L;
-        E* o = op + ((b * H + h) * T + t) * L;
-        for (std::int64_t c = 0; c < L; ++c) {
-          if (m[c]) {
-            store(o, c, neg_inf);
-            continue;
-          }
-          const float s = round_to(dot(qr, kb + c * D, D), qr);  // the matmul's output
-          store(o, c, s * scale);                                 // * scaling
-        }
-      }
+      for (std::int64_t t = 0; t < T; ++t)
+        scores_row_any(qp + ((b * T + t) * H + h) * D, kp + (b * KV + kv) * cap * D, mp + (b * T + t) * L,
+                       op + ((b * H + h) * T + t) * L, L, D, scale);
     }
   });
 }
@@ -139,18 +241,9 @@ void values_impl(const at::Tensor& probs, const at::Tensor& values, std::int64_t
     std::vector<float> acc(static_cast<std::size_t>(D));
     for (std::int64_t bh = begin; bh < end; ++bh) {
       const std::int64_t b = bh / H, h = bh % H, kv = h / G;
-      const E* vb = vp + (b * KV + kv) * cap * D;
-      for (std::int64_t t = 0; t < T; ++t) {
-        const E* p = pp + ((b * H + h) * T + t) * L;
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (std::int64_t c = 0; c < L; ++c) {
-          const float pc = load(p, c);
-          const E* v = vb + c * D;
-          for (std::int64_t d = 0; d < D; ++d) acc[d] += pc * load(v, d);
-        }
-        E* o = op + ((b * T + t) * H + h) * D;
-        for (std::int64_t d = 0; d < D; ++d) store(o, d, acc[d]);
-      }
+      for (std::int64_t t = 0; t < T; ++t)
+        values_row_any(pp + ((b * H + h) * T + t) * L, vp + (b * KV + kv) * cap * D, op + ((b * T + t) * H + h) * D,
+                       L, D, acc.data());
     }
   });
 }
@@ -211,6 +304,19 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   else
     silu_mul_rows(reinterpret_cast<const std::uint16_t*>(g.data_ptr()), reinterpret_cast<const std::uint16_t*>(u.data_ptr()),
                   reinterpret_cast<std::uint16_t*>(out.data_ptr()), rows, n, g.stride(0), u.stride(0));
+  return out;
+}
+
+at::Tensor softmax(const at::Tensor& scores) {
+  check_dtype(scores, "softmax");
+  const std::int64_t n = scores.size(-1), rows = n ? scores.numel() / n : 0;
+  at::Tensor xc = scores.contiguous();
+  at::Tensor out = at::empty(scores.sizes(), scores.options());
+  if (scores.scalar_type() == at::kFloat)
+    softmax_rows(xc.data_ptr<float>(), out.data_ptr<float>(), rows, n);
+  else
+    softmax_rows(reinterpret_cast<const std::uint16_t*>(xc.data_ptr()), reinterpret_cast<std::uint16_t*>(out.data_ptr()),
+                 rows, n);
   return out;
 }
 

@@ -33,6 +33,12 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor attention_scores(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, const at::Tensor& masked,
                             double scale);
 
+// Softmax over the last dim in float32, rounded to the input's dtype (HF:
+// softmax(scores, dtype=float32).to(dtype)); -inf entries become 0 and cost
+// nothing. The sum runs over the row in order, so masked (padding) columns
+// leave every bit unchanged.
+at::Tensor softmax(const at::Tensor& scores);
+
 // z [B, T, H, D] = probs [B, H, T, L] · values [B, KV, capacity, D] (columns
 // [0, L)), accumulated in fp32 over columns in order, rounded to the dtype.
 at::Tensor attention_values(const at::Tensor& probs, const at::Tensor& values, std::int64_t L);

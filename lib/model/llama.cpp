@@ -150,7 +150,7 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
     // head (h = kv * G + g, as HF's repeat_kv) share a matmul. One new token
     // per sequence (decode) goes through the fused kernels instead.
     at::Tensor scores;
-    if (T == 1) {
+    if (T >= 1) {
       scores = kernels::attention_scores(q, cache.k[li], L, masked, scale);  // [B, H, 1, L]
     } else {
       at::Tensor qg = q.view({B, T, KV, G, D}).permute({0, 2, 3, 1, 4}).reshape({B, KV, G * T, D});
@@ -158,9 +158,9 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
       scores.masked_fill_(masked, -std::numeric_limits<double>::infinity());
     }
     hook(Site::attn_scores, i, scores);
-    at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(dtype_);
+    at::Tensor probs = kernels::softmax(scores);  // float32 softmax, cast to the dtype
     hook(Site::pattern, i, probs);
-    at::Tensor z = T == 1 ? kernels::attention_values(probs, cache.v[li], L)
+    at::Tensor z = T >= 1 ? kernels::attention_values(probs, cache.v[li], L)
                           : at::matmul(probs.reshape({B, KV, G * T, L}), values)  // [B, KV, G*T, D]
                                 .reshape({B, KV, G, T, D})
                                 .permute({0, 3, 1, 2, 4})

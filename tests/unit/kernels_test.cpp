@@ -194,3 +194,26 @@ TEST_CASE("ops: decode attention equals the matmul path and does not depend on t
     CHECK(at::equal(dmi::kernels::attention_values(p.narrow(0, 1, 1), values.narrow(0, 1, 1), L), z.narrow(0, 1, 1)));
   }
 }
+
+TEST_CASE("ops: softmax in float32 (masked entries exactly 0), fast exp, padding changes no bit") {
+  at::manual_seed(8);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    CAPTURE(c10::toString(dtype));
+    const double ulp = dtype == at::kBFloat16 ? 1.0 / 128 : 1e-6;
+    at::Tensor s = (at::randn({4, 3, 37}) * 4).to(dtype);
+    s.masked_fill_(at::rand({4, 3, 37}) < 0.3, -std::numeric_limits<double>::infinity());
+    s.select(2, 36).fill_(1.0);
+    at::Tensor p = dmi::kernels::softmax(s);
+    at::Tensor want = at::softmax(s, -1, at::kFloat).to(dtype);
+    CHECK(excess(p, want, 2 * ulp, 1e-7) <= 0);
+    CHECK(at::equal(p.masked_select(at::isinf(s)), at::zeros({at::isinf(s).sum().item<std::int64_t>()}, dtype)));
+    // Left padding: the same row with masked columns in front.
+    at::Tensor padded = at::cat({at::full({4, 3, 5}, -std::numeric_limits<double>::infinity()).to(dtype), s}, -1);
+    CHECK(at::equal(dmi::kernels::softmax(padded).narrow(-1, 5, 37), p));
+  }
+  // A large softmax input range: relative error of the exp approximation.
+  at::Tensor x = at::linspace(-80, 80, 20001).view({1, -1});
+  at::Tensor two = at::stack({x.view(-1), at::full({20001}, -std::numeric_limits<double>::infinity())}, 1);
+  // softmax over [x, -inf] is exactly 1 wherever exp(x) is finite.
+  CHECK(at::equal(dmi::kernels::softmax(two).select(1, 0), at::ones({20001})));
+}

@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 
+#include <sys/mman.h>
+
 #include <cstdlib>
 
 #include "common/error.h"
@@ -61,6 +63,25 @@ std::string describe(Isa isa, at::ScalarType dtype) {
   return fmt::format("{} ({}), {} threads", isa_name(isa), how, at::get_num_threads());
 }
 
+namespace {
+
+// Packed weights live in 2 MiB-aligned memory marked for transparent huge
+// pages: a decode step streams all of them, and with 4 KiB pages the TLB
+// misses stall the prefetches (lm_head: 311 MB).
+at::Tensor huge_page_copy(const at::Tensor& src) {
+  constexpr std::size_t kHuge = 2u << 20;
+  const std::size_t bytes = static_cast<std::size_t>(src.numel()) * src.element_size();
+  const std::size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* p = std::aligned_alloc(kHuge, rounded);
+  if (!p) return src.contiguous();
+  ::madvise(p, rounded, MADV_HUGEPAGE);  // advice only: failure leaves 4 KiB pages
+  at::Tensor dst = at::from_blob(p, src.sizes(), [](void* q) { std::free(q); }, src.options());
+  dst.copy_(src);
+  return dst;
+}
+
+}  // namespace
+
 PackedLinear::PackedLinear(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& biases,
                            at::ScalarType dtype, Isa isa)
     : isa_(isa), dtype_(dtype) {
@@ -91,12 +112,12 @@ PackedLinear::PackedLinear(const std::vector<at::Tensor>& weights, const std::ve
     // [Np, Kp] -> [P, 64, Kp/2, 2] -> [P, Kp/2, 64, 2]
     kp_ = k_ + (k_ % 2);
     w = at::constant_pad_nd(w, {0, kp_ - k_, 0, panels * kPanel - n_});
-    packed_ = w.view({panels, kPanel, kp_ / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+    packed_ = huge_page_copy(w.view({panels, kPanel, kp_ / 2, 2}).permute({0, 2, 1, 3}));
   } else {
     // [Np, K] -> [P, 64, K] -> [P, K, 64]
     kp_ = k_;
     w = at::constant_pad_nd(w, {0, 0, 0, panels * kPanel - n_});
-    packed_ = w.view({panels, kPanel, k_}).permute({0, 2, 1}).contiguous();
+    packed_ = huge_page_copy(w.view({panels, kPanel, k_}).permute({0, 2, 1}));
   }
 }
 

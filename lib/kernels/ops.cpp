@@ -32,8 +32,10 @@ DMI_INLINE float load(const std::uint16_t* p, std::int64_t i) {
 }
 DMI_INLINE float round_to(float v, const float*) { return v; }
 DMI_INLINE float round_to(float v, const std::uint16_t*) {
-  const std::uint16_t h = detail::to_bf16(v);
-  return load(&h, 0);
+  const std::uint32_t u = static_cast<std::uint32_t>(detail::to_bf16(v)) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
 }
 DMI_INLINE void store(float* p, std::int64_t i, float v) { p[i] = v; }
 DMI_INLINE void store(std::uint16_t* p, std::int64_t i, float v) { p[i] = detail::to_bf16(v); }
@@ -100,10 +102,15 @@ DMI_INLINE void rope_row(const E* x, const E* c, const E* s, E* o, std::int64_t 
 
 template <class E>
 DMI_INLINE void silu_mul_row(const E* g, const E* u, E* o, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    const float x = load(g, i);
-    const float act = round_to(x / (1.0f + fast_exp(-x)), g);  // silu, in the dtype
-    store(o, i, act * load(u, i));
+  // In chunks through float buffers: each loop stays simple enough to vectorize.
+  constexpr std::int64_t kChunk = 256;
+  float gf[kChunk], act[kChunk];
+  for (std::int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    const std::int64_t m = std::min(kChunk, n - c0);
+    for (std::int64_t i = 0; i < m; ++i) gf[i] = load(g, c0 + i);
+    for (std::int64_t i = 0; i < m; ++i) act[i] = gf[i] / (1.0f + fast_exp(-gf[i]));
+    for (std::int64_t i = 0; i < m; ++i) act[i] = round_to(act[i], g);  // silu, in the dtype
+    for (std::int64_t i = 0; i < m; ++i) store(o, c0 + i, act[i] * load(u, c0 + i));
   }
 }
 
@@ -118,10 +125,13 @@ DMI_INLINE void scores_row(const E* q, const E* kb, const bool* m, E* o, std::in
 template <class E>
 DMI_INLINE void values_row(const E* p, const E* vb, E* o, std::int64_t L, std::int64_t D, float* acc) {
   for (std::int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+  float* vf = acc + D;  // the value row, widened (two simple loops vectorize)
   for (std::int64_t c = 0; c < L; ++c) {
     const float pc = load(p, c);
+    if (pc == 0.0f) continue;  // masked (or underflowed): adds nothing
     const E* v = vb + c * D;
-    for (std::int64_t d = 0; d < D; ++d) acc[d] += pc * load(v, d);
+    for (std::int64_t d = 0; d < D; ++d) vf[d] = load(v, d);
+    for (std::int64_t d = 0; d < D; ++d) acc[d] += pc * vf[d];
   }
   for (std::int64_t d = 0; d < D; ++d) store(o, d, acc[d]);
 }
@@ -238,7 +248,7 @@ void values_impl(const at::Tensor& probs, const at::Tensor& values, std::int64_t
   const E* vp = reinterpret_cast<const E*>(values.data_ptr());
   E* op = reinterpret_cast<E*>(out.data_ptr());
   at::parallel_for(0, B * H, 1, [&](std::int64_t begin, std::int64_t end) {
-    std::vector<float> acc(static_cast<std::size_t>(D));
+    std::vector<float> acc(static_cast<std::size_t>(2 * D));
     for (std::int64_t bh = begin; bh < end; ++bh) {
       const std::int64_t b = bh / H, h = bh % H, kv = h / G;
       for (std::int64_t t = 0; t < T; ++t)

@@ -1,6 +1,6 @@
-// The small per-layer operations of a decode step, fused into one loop each:
+// The per-layer operations besides the projections, one loop per row each:
 // ATen spends more time dispatching and allocating for a handful of rows
-// than computing them. Numerics follow Hugging Face's eager code step by
+// than computing them, and its bf16 batched matmul is slow on CPU. Numerics follow Hugging Face's eager code step by
 // step (the same roundings to bf16 at the same points); only the order of
 // fp32 summations differs from ATen's. Each row is computed alone, in a fixed
 // order, so results do not depend on the batch.

@@ -82,7 +82,7 @@ at::Tensor LlamaFamily::rms_norm(const at::Tensor& x, const at::Tensor& w) const
 
 at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::Observer* obs) {
   const std::int64_t B = in.ids.size(0), T = in.ids.size(1), L = in.start + T;
-  const std::int64_t H = cfg_.num_heads, KV = cfg_.num_kv_heads, D = cfg_.head_dim, G = H / KV;
+  const std::int64_t H = cfg_.num_heads, KV = cfg_.num_kv_heads, D = cfg_.head_dim;
   DMI_CHECK(L <= cache.capacity, "sequence needs {} cache columns, cache holds {}", L, cache.capacity);
   DMI_CHECK(in.key_valid.size(0) == B && in.key_valid.size(1) == L, "key_valid must be [B, start + T]");
 
@@ -143,28 +143,14 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
 
     cache.k[li].narrow(2, in.start, T).copy_(k.transpose(1, 2));
     cache.v[li].narrow(2, in.start, T).copy_(v.transpose(1, 2));
-    at::Tensor keys = cache.k[li].narrow(2, 0, L);    // [B, KV, L, D]
-    at::Tensor values = cache.v[li].narrow(2, 0, L);  // [B, KV, L, D]
 
-    // Grouped-query attention without repeating K/V: query heads of one KV
-    // head (h = kv * G + g, as HF's repeat_kv) share a matmul. One new token
-    // per sequence (decode) goes through the fused kernels instead.
-    at::Tensor scores;
-    if (T >= 1) {
-      scores = kernels::attention_scores(q, cache.k[li], L, masked, scale);  // [B, H, 1, L]
-    } else {
-      at::Tensor qg = q.view({B, T, KV, G, D}).permute({0, 2, 3, 1, 4}).reshape({B, KV, G * T, D});
-      scores = at::matmul(qg, keys.transpose(-1, -2)).mul_(scale).reshape({B, H, T, L});
-      scores.masked_fill_(masked, -std::numeric_limits<double>::infinity());
-    }
+    // Grouped-query attention without repeating K/V: query head h reads KV
+    // head h / G (HF's repeat_kv), straight from the cache (kernels/ops.h).
+    at::Tensor scores = kernels::attention_scores(q, cache.k[li], L, masked, scale);  // [B, H, T, L]
     hook(Site::attn_scores, i, scores);
     at::Tensor probs = kernels::softmax(scores);  // float32 softmax, cast to the dtype
     hook(Site::pattern, i, probs);
-    at::Tensor z = T >= 1 ? kernels::attention_values(probs, cache.v[li], L)
-                          : at::matmul(probs.reshape({B, KV, G * T, L}), values)  // [B, KV, G*T, D]
-                                .reshape({B, KV, G, T, D})
-                                .permute({0, 3, 1, 2, 4})
-                                .reshape({B, T, H, D});
+    at::Tensor z = kernels::attention_values(probs, cache.v[li], L);  // [B, T, H, D]
     hook(Site::z, i, z);
     at::Tensor attn_out = l.o(z.reshape({B, T, H * D}));
     hook(Site::attn_out, i, attn_out);

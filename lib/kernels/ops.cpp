@@ -152,41 +152,27 @@ DMI_INLINE void softmax_row(const E* x, E* o, std::int64_t n, float* e) {
   for (std::int64_t i = 0; i < n; ++i) store(o, i, e[i] / denom);
 }
 
+// The entry points the row loops below call, one per dtype, each cloned
+// (DMI_CLONES); score rows try the AVX-512 intrinsics first.
 using bf16 = std::uint16_t;
-DMI_CLONES void rms_norm_row_f(const float* x, const float* w, float* o, std::int64_t n, float eps) { rms_norm_row(x, w, o, n, eps); }
-DMI_CLONES void rms_norm_row_b(const bf16* x, const bf16* w, bf16* o, std::int64_t n, float eps) { rms_norm_row(x, w, o, n, eps); }
-DMI_CLONES void rope_row_f(const float* x, const float* c, const float* s, float* o, std::int64_t D) { rope_row(x, c, s, o, D); }
-DMI_CLONES void rope_row_b(const bf16* x, const bf16* c, const bf16* s, bf16* o, std::int64_t D) { rope_row(x, c, s, o, D); }
-DMI_CLONES void silu_mul_row_f(const float* g, const float* u, float* o, std::int64_t n) { silu_mul_row(g, u, o, n); }
-DMI_CLONES void silu_mul_row_b(const bf16* g, const bf16* u, bf16* o, std::int64_t n) { silu_mul_row(g, u, o, n); }
-DMI_CLONES void softmax_row_f(const float* x, float* o, std::int64_t n, float* e) { softmax_row(x, o, n, e); }
-DMI_CLONES void softmax_row_b(const bf16* x, bf16* o, std::int64_t n, float* e) { softmax_row(x, o, n, e); }
-DMI_CLONES void scores_row_f(const float* q, const float* k, const bool* m, float* o, std::int64_t L, std::int64_t D, float s) { scores_row(q, k, m, o, L, D, s); }
-DMI_CLONES void scores_row_b(const bf16* q, const bf16* k, const bool* m, bf16* o, std::int64_t L, std::int64_t D, float s) { scores_row(q, k, m, o, L, D, s); }
-DMI_CLONES void values_row_f(const float* p, const float* v, float* o, std::int64_t L, std::int64_t D, float* acc) { values_row(p, v, o, L, D, acc); }
-DMI_CLONES void values_row_b(const bf16* p, const bf16* v, bf16* o, std::int64_t L, std::int64_t D, float* acc) { values_row(p, v, o, L, D, acc); }
+DMI_CLONES void rms_norm_row_any(const float* x, const float* w, float* o, std::int64_t n, float eps) { rms_norm_row(x, w, o, n, eps); }
+DMI_CLONES void rms_norm_row_any(const bf16* x, const bf16* w, bf16* o, std::int64_t n, float eps) { rms_norm_row(x, w, o, n, eps); }
+DMI_CLONES void rope_row_any(const float* x, const float* c, const float* s, float* o, std::int64_t D) { rope_row(x, c, s, o, D); }
+DMI_CLONES void rope_row_any(const bf16* x, const bf16* c, const bf16* s, bf16* o, std::int64_t D) { rope_row(x, c, s, o, D); }
+DMI_CLONES void silu_mul_row_any(const float* g, const float* u, float* o, std::int64_t n) { silu_mul_row(g, u, o, n); }
+DMI_CLONES void silu_mul_row_any(const bf16* g, const bf16* u, bf16* o, std::int64_t n) { silu_mul_row(g, u, o, n); }
+DMI_CLONES void softmax_row_any(const float* x, float* o, std::int64_t n, float* e) { softmax_row(x, o, n, e); }
+DMI_CLONES void softmax_row_any(const bf16* x, bf16* o, std::int64_t n, float* e) { softmax_row(x, o, n, e); }
+DMI_CLONES void values_row_any(const float* p, const float* v, float* o, std::int64_t L, std::int64_t D, float* acc) { values_row(p, v, o, L, D, acc); }
+DMI_CLONES void values_row_any(const bf16* p, const bf16* v, bf16* o, std::int64_t L, std::int64_t D, float* acc) { values_row(p, v, o, L, D, acc); }
+DMI_CLONES void scores_row_cloned(const float* q, const float* k, const bool* m, float* o, std::int64_t L, std::int64_t D, float s) { scores_row(q, k, m, o, L, D, s); }
+DMI_CLONES void scores_row_cloned(const bf16* q, const bf16* k, const bool* m, bf16* o, std::int64_t L, std::int64_t D, float s) { scores_row(q, k, m, o, L, D, s); }
 
-// Overloads the templates below call.
-void rms_norm_row_any(const float* x, const float* w, float* o, std::int64_t n, float eps) { rms_norm_row_f(x, w, o, n, eps); }
-void rms_norm_row_any(const bf16* x, const bf16* w, bf16* o, std::int64_t n, float eps) { rms_norm_row_b(x, w, o, n, eps); }
-void rope_row_any(const float* x, const float* c, const float* s, float* o, std::int64_t D) { rope_row_f(x, c, s, o, D); }
-void rope_row_any(const bf16* x, const bf16* c, const bf16* s, bf16* o, std::int64_t D) { rope_row_b(x, c, s, o, D); }
-void silu_mul_row_any(const float* g, const float* u, float* o, std::int64_t n) { silu_mul_row_f(g, u, o, n); }
-void silu_mul_row_any(const bf16* g, const bf16* u, bf16* o, std::int64_t n) { silu_mul_row_b(g, u, o, n); }
-void softmax_row_any(const float* x, float* o, std::int64_t n, float* e) { softmax_row_f(x, o, n, e); }
-void softmax_row_any(const bf16* x, bf16* o, std::int64_t n, float* e) { softmax_row_b(x, o, n, e); }
-bool has_avx512() {
-  static const bool yes = static_cast<int>(detect_isa()) >= static_cast<int>(Isa::avx512);
-  return yes;
+template <class E>
+void scores_row_any(const E* q, const E* k, const bool* m, E* o, std::int64_t L, std::int64_t D, float s) {
+  static const bool avx512 = static_cast<int>(detect_isa()) >= static_cast<int>(Isa::avx512);
+  if (!avx512 || !detail::scores_row_avx512(q, k, m, o, L, D, s)) scores_row_cloned(q, k, m, o, L, D, s);
 }
-void scores_row_any(const float* q, const float* k, const bool* m, float* o, std::int64_t L, std::int64_t D, float s) {
-  if (!has_avx512() || !detail::scores_row_avx512(q, k, m, o, L, D, s)) scores_row_f(q, k, m, o, L, D, s);
-}
-void scores_row_any(const bf16* q, const bf16* k, const bool* m, bf16* o, std::int64_t L, std::int64_t D, float s) {
-  if (!has_avx512() || !detail::scores_row_avx512(q, k, m, o, L, D, s)) scores_row_b(q, k, m, o, L, D, s);
-}
-void values_row_any(const float* p, const float* v, float* o, std::int64_t L, std::int64_t D, float* acc) { values_row_f(p, v, o, L, D, acc); }
-void values_row_any(const bf16* p, const bf16* v, bf16* o, std::int64_t L, std::int64_t D, float* acc) { values_row_b(p, v, o, L, D, acc); }
 
 template <class E>
 void rms_norm_rows(const E* x, const E* w, E* out, std::int64_t rows, std::int64_t n, float eps) {

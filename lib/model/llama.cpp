@@ -24,9 +24,9 @@ LlamaFamily::LlamaFamily(io::ModelConfig cfg, const io::WeightStore& w, at::Scal
   };
   // The projections are packed once for the selected kernels
   // (kernels/linear.h); q/k/v and gate/up become one matrix each.
-  isa_ = kernels::selected_isa();
+  const kernels::Isa isa = kernels::selected_isa();
   auto linear = [&](std::vector<at::Tensor> ws, std::vector<at::Tensor> bs) {
-    return kernels::PackedLinear(ws, bs, dtype, isa_);
+    return kernels::PackedLinear(ws, bs, dtype, isa);
   };
   embed_ = get("model.embed_tokens.weight", {V, d});
   final_norm_ = get("model.norm.weight", {d});

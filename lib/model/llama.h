@@ -17,7 +17,7 @@ class LlamaFamily final : public CausalLM {
   KVCache new_cache(std::int64_t batch, std::int64_t capacity) const override;
   at::Tensor forward(const ForwardInput& in, KVCache& cache, hooks::Observer* observer) override;
   std::size_t weight_bytes() const override { return weight_bytes_; }
-  std::string kernels() const override { return kernels::describe(isa_, dtype_); }
+  std::string kernels() const override { return kernels::describe(lm_head_.isa(), dtype_); }
 
  private:
   struct Layer {
@@ -28,7 +28,6 @@ class LlamaFamily final : public CausalLM {
 
   io::ModelConfig cfg_;
   at::ScalarType dtype_;
-  kernels::Isa isa_;
   at::Tensor embed_, final_norm_, inv_freq_;
   kernels::PackedLinear lm_head_;
   std::vector<Layer> layers_;

@@ -8,11 +8,13 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "analysis/follow.h"
 #include "analysis/png.h"
 #include "analysis/stats.h"
 #include "analysis/steering.h"
@@ -21,6 +23,7 @@
 #include "io/tokenizer.h"
 #include "io/vectors.h"
 #include "sink/capture_file.h"
+#include "sink/hdf5_sink.h"
 
 using nlohmann::json;
 using dmi::sink::CaptureFile;
@@ -30,7 +33,8 @@ namespace {
 struct Options {
   std::string file, tokenizer, site, match = "*", pos, index, format = "table", npy, png, by;
   int seq = -1, layer = -1, head = -1, qpos = -1, top = 10;
-  bool json = false;
+  bool json = false, follow = false;
+  double interval = 0.5;
 };
 
 // The tokenizer named in the file (or --tokenizer), if it can be loaded.
@@ -142,8 +146,11 @@ json stats_json(const dmi::analysis::Stats& s) {
 int cmd_summary(const CaptureFile& f, const Options& o) {
   json j;
   for (const char* k : {"model_path", "architecture", "compute_dtype", "capture_dtype", "selection", "token_policy",
-                        "logits", "status", "command_line", "tool_version"})
+                        "logits", "command_line", "tool_version"})
     j[k] = f.text_attr(k);
+  j["status"] = f.status();
+  if (f.status() == "running" || f.status() == "killed")
+    if (auto w = json::parse(f.text_attr("writer"), nullptr, false); w.is_object()) j["writer"] = w;
   for (const char* k : {"every", "records_written", "records_dropped", "seed"}) j[k] = f.int_attr(k).value_or(0);
   j["sequences"] = f.n_sequences();
   j["format_version"] = f.format_version();
@@ -179,7 +186,11 @@ int cmd_summary(const CaptureFile& f, const Options& o) {
   fmt::print("  selection    {}\n", j["selection"].get<std::string>());
   fmt::print("  tokens       {} (every {} decode steps), logits {}\n", j["token_policy"].get<std::string>(),
              j["every"].get<std::int64_t>(), j["logits"].get<std::string>());
-  fmt::print("  status       {}\n", j["status"].get<std::string>());
+  fmt::print("  status       {}{}\n", j["status"].get<std::string>(),
+             f.status() == "running" ? fmt::format(" (being written by pid {})", j.value("writer", json::object()).value("pid", 0))
+             : f.status() == "killed" && f.text_attr("status") == "running"
+                 ? " (its writer died before closing it; 'recover' closes it for every HDF5 reader)"
+                 : "");
   if (j.contains("threads"))
     fmt::print("  run          batch size {}, {} threads, format {}{}\n", j.value("batch_size", std::int64_t{0}),
                j["threads"].get<std::int64_t>(), f.format_version(),
@@ -190,8 +201,11 @@ int cmd_summary(const CaptureFile& f, const Options& o) {
                j["replay_of"].value("fingerprint_matched", false) ? "matched" : "differed");
   if (j.contains("interventions"))
     for (const auto& e : j["interventions"]) fmt::print("  intervention {}\n", e.get<std::string>());
-  fmt::print("  records      {} written, {} dropped\n", j["records_written"].get<std::int64_t>(),
-             j["records_dropped"].get<std::int64_t>());
+  if (f.int_attr("records_written"))
+    fmt::print("  records      {} written, {} dropped\n", j["records_written"].get<std::int64_t>(),
+               j["records_dropped"].get<std::int64_t>());
+  else
+    fmt::print("  records      (counted when the file is closed)\n");
   fmt::print("  sequences    {}\n", f.n_sequences());
   fmt::print("  sites        {} ({} stored, {} uncompressed)\n", f.sites().size(), fmt_bytes(stored), fmt_bytes(raw));
   int last_layer = -2;
@@ -503,6 +517,101 @@ int cmd_vector_export(const VectorOptions& v, bool as_json) {
   return 0;
 }
 
+int cmd_recover(const Options& o) {
+  std::unique_ptr<dmi::io::Tokenizer> tok;
+  {
+    auto f = CaptureFile::open(o.file);
+    tok = load_tokenizer(*f, o);
+  }
+  std::function<std::string(const std::vector<std::int32_t>&)> decode;
+  if (tok) decode = [&](const std::vector<std::int32_t>& ids) { return tok->decode(ids, true); };
+  const auto r = dmi::sink::recover_capture(o.file, decode);
+  if (o.json) {
+    std::cout << json{{"file", o.file}, {"status", "killed"}, {"sequences", r.sequences}, {"tokens", r.tokens},
+                      {"sites", r.sites}, {"rows", r.rows}}
+                     .dump(2)
+              << "\n";
+    return 0;
+  }
+  fmt::print("{}: recovered: {} sequences ({} tokens), {} rows in {} sites; status killed. Every HDF5 reader opens "
+             "it now.\n", o.file, r.sequences, r.tokens, r.rows, r.sites);
+  return 0;
+}
+
+// --follow: the command again whenever the capture changed (summary, show,
+// stats), or what is new since the last look (text, logits), until the run
+// closes the file. Exit 0 when it did, 1 when its writer died first.
+int follow(const Options& o, const std::string& command, const std::function<int(const CaptureFile&)>& once) {
+  dmi::analysis::FollowOptions fo;
+  fo.interval = o.interval;
+  fo.note = [&](const std::string& why) {
+    std::fprintf(stderr, "dmi-inspect: waiting: %s\n", why.c_str());
+  };
+  std::unique_ptr<dmi::io::Tokenizer> tok;
+  bool tok_loaded = false;
+  std::vector<std::size_t> shown;  // text: tokens shown per sequence; logits: next position per sequence
+  auto on_change = [&](const CaptureFile& f, bool last) {
+    if (!tok_loaded && (command == "text" || command == "logits")) {
+      tok = load_tokenizer(f, o);
+      tok_loaded = true;
+    }
+    if (command == "text") {
+      shown.resize(f.n_sequences(), 0);
+      for (std::size_t s = 0; s < f.n_sequences(); ++s) {
+        if (o.seq >= 0 && static_cast<std::size_t>(o.seq) != s) continue;
+        const auto ids = f.tokens(s);
+        const std::size_t plen = static_cast<std::size_t>(f.prompt_length(s));
+        for (std::size_t p = shown[s]; p < ids.size() && o.json; ++p)
+          std::cout << json{{"seq", s}, {"pos", p}, {"id", ids[p]}, {"text", token_text(tok.get(), ids[p])},
+                            {"prompt", p < plen}}.dump() << "\n";
+        if (!o.json && ids.size() > shown[s]) {
+          std::string prompt, gen;
+          for (std::size_t p = shown[s]; p < ids.size(); ++p) (p < plen ? prompt : gen) += token_text(tok.get(), ids[p]);
+          fmt::print("[{}] {}{}{}\n", s, prompt.empty() ? "" : json(prompt).dump(), prompt.empty() ? "" : " ",
+                     gen.empty() ? "" : "+" + json(gen).dump());
+        }
+        shown[s] = ids.size();
+        if (last) {
+          if (o.json)
+            std::cout << json{{"seq", s}, {"finish_reason", f.finish_reason(s)}, {"generated", f.generated_text(s)}}
+                             .dump() << "\n";
+          else
+            fmt::print("[{}] ({})\n", s, f.finish_reason(s));
+        }
+      }
+    } else if (command == "logits") {
+      const std::string site = "unembed.hook_out";
+      DMI_CHECK(f.has_site(site), "{}: no logits in this capture (capture them with dmi-run --hooks logits)", f.path());
+      DMI_CHECK(o.seq >= 0, "logits --follow needs --seq");
+      shown.resize(1, static_cast<std::size_t>(std::max(o.qpos, 0)));
+      const auto tokens = f.tokens(static_cast<std::size_t>(o.seq));
+      const auto& ps = f.pos_of(site);
+      for (std::int64_t row : f.find_rows(site, o.seq, static_cast<std::int32_t>(shown[0]))) {
+        const std::int32_t p = ps[row];
+        if (static_cast<std::size_t>(p) >= tokens.size()) break;  // its token is not in the log yet
+        Options at = o;
+        at.qpos = p;
+        cmd_logits(f, at);
+        shown[0] = static_cast<std::size_t>(p) + 1;
+      }
+    } else {
+      if (!o.json) {
+        const auto pr = dmi::analysis::progress_of(f);
+        fmt::print("== {}: status {}, {} rows, {} tokens ==\n", f.path(), pr.status, pr.rows, pr.tokens);
+      }
+      once(f);
+    }
+    std::fflush(stdout);
+  };
+  const std::string status = dmi::analysis::follow_capture(o.file, fo, on_change);
+  if (status == "killed") {
+    std::fprintf(stderr, "dmi-inspect: %s: its writer died before closing it (status killed); "
+                 "'dmi-inspect %s recover' closes it for every HDF5 reader\n", o.file.c_str(), o.file.c_str());
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -519,15 +628,25 @@ int main(int argc, char** argv) {
       "  dmi-inspect run.h5 attention --layer 3 --seq 0 --top 5\n"
       "  dmi-inspect run.h5 attention --layer 3 --head 1 --seq 0 --png head.png\n"
       "  dmi-inspect run.h5 logits --seq 0 --pos 7 --top 10\n"
+      "  dmi-inspect run.h5 text --follow                (while dmi-run writes run.h5: new tokens as they come)\n"
+      "  dmi-inspect run.h5 recover                      (close the file of a killed run for every HDF5 reader)\n"
       "  dmi-inspect steer-vector make --pos happy.h5 --neg sad.h5 --site resid_post --select last-prompt -o v.safetensors\n"
       "  dmi-inspect steer-vector show v.safetensors --capture run.h5 --scale 4\n"
       "  dmi-inspect steer-vector export v.safetensors --gguf v.gguf\n"
-      "\nEvery command takes --json. Exit status: 0 ok, 2 bad input or unreadable file.");
+      "\nEvery command takes --json. A capture being written reads like any other (status running); --follow\n"
+      "keeps reading it until the run closes it. Exit status: 0 ok, 1 --follow saw the writer die (status killed),\n"
+      "2 bad input or unreadable file.");
   app.require_subcommand(1);
   Options o;
   app.add_option("file", o.file, "capture file (.h5); not for steer-vector");
   app.add_option("--tokenizer", o.tokenizer, "tokenizer.json for token text (default: the one the file names)");
   app.add_flag("--json", o.json, "machine-readable output");
+  auto* follow_flag = app.add_flag("--follow", o.follow,
+                                   "keep reading a capture that is being written (summary, text, show, stats, logits) "
+                                   "until its run closes it");
+  app.add_option("--interval", o.interval, "seconds between looks with --follow")
+      ->capture_default_str()
+      ->check(dmi::apps::kPositive);
   auto* summary = app.add_subcommand("summary", "model, settings, status, records and the tree of sites");
   auto* sites = app.add_subcommand("sites", "list site names");
   sites->add_option("--match", o.match, "glob over site names")->capture_default_str();
@@ -553,8 +672,10 @@ int main(int argc, char** argv) {
   attention->add_option("--png", o.png, "write the [query, key] pattern of one head as a PNG heatmap");
   auto* logits = app.add_subcommand("logits", "top next tokens with probabilities (needs logits)");
   logits->add_option("--seq", o.seq, "sequence index")->required();
-  logits->add_option("--pos", o.qpos, "position")->required();
+  logits->add_option("--pos", o.qpos, "position (with --follow: the first to show)");
   logits->add_option("--top", o.top, "how many")->capture_default_str()->check(dmi::apps::kAtLeastOne);
+  auto* recover = app.add_subcommand("recover", "close the file of a run that was killed (status running, writer "
+                                                "gone): sequences from its token log, status killed");
   VectorOptions vo;
   auto* vec = app.add_subcommand("steer-vector", "make, show and export steering vectors (docs/steering.md)");
   vec->require_subcommand(1);
@@ -579,8 +700,12 @@ int main(int argc, char** argv) {
   vexport->add_option("--gguf", vo.gguf, "output .gguf")->required();
   vexport->add_option("--model-hint", vo.model_hint, "controlvector.model_hint (default: the file's model_hint)");
   vexport->add_flag("--drop-layer0", vo.drop_layer0, "leave out direction.0 (llama.cpp cannot apply it)");
-  for (auto* sub : {summary, sites, text, show, stats, attention, logits, vmake, vshow, vexport})
+  for (auto* sub : {summary, sites, text, show, stats, attention, logits, recover, vmake, vshow, vexport})
     sub->add_flag("--json", o.json, "machine-readable output");
+  for (auto* sub : {summary, text, show, stats, logits}) {
+    sub->add_flag("--follow", o.follow, follow_flag->get_description());
+    sub->add_option("--interval", o.interval, "seconds between looks with --follow")->check(dmi::apps::kPositive);
+  }
   if (int rc = dmi::apps::parse_args("dmi-inspect", app, argc, argv); rc >= 0) return rc;
   if (vec->parsed())
     return dmi::apps::guarded("dmi-inspect", [&] {
@@ -594,9 +719,29 @@ int main(int argc, char** argv) {
     return 2;
   }
   return dmi::apps::guarded("dmi-inspect", [&] {
+    if (recover->parsed()) return cmd_recover(o);
+    if (o.follow) {
+      DMI_CHECK(!sites->parsed() && !attention->parsed(), "--follow works with summary, text, show, stats and logits");
+      DMI_CHECK(!logits->parsed() || o.seq >= 0, "logits --follow needs --seq");
+      const std::string command = summary->parsed() ? "summary" : text->parsed() ? "text" : show->parsed() ? "show"
+                                  : stats->parsed() ? "stats" : "logits";
+      return follow(o, command, [&](const CaptureFile& f) {
+        if (summary->parsed()) return cmd_summary(f, o);
+        if (show->parsed()) return cmd_show(f, o);
+        return cmd_stats(f, o);
+      });
+    }
+    DMI_CHECK(!logits->parsed() || o.qpos >= 0, "logits needs --pos (or --follow)");
     auto f = CaptureFile::open(o.file);
     const std::string status = f->status();
-    if (status != "complete")
+    if (status == "running")
+      std::fprintf(stderr, "dmi-inspect: note: %s is being written (status running); showing what it holds now "
+                   "(--follow keeps reading)\n", o.file.c_str());
+    else if (status == "killed" && f->text_attr("status") == "running")
+      std::fprintf(stderr, "dmi-inspect: warning: %s was not closed: its writer died (status killed); showing what "
+                   "it holds ('dmi-inspect %s recover' closes it for every HDF5 reader)\n", o.file.c_str(),
+                   o.file.c_str());
+    else if (status != "complete")
       std::fprintf(stderr, "dmi-inspect: warning: %s has status '%s': the run did not finish; showing the data there is\n",
                    o.file.c_str(), status.c_str());
     if (summary->parsed()) return cmd_summary(*f, o);

@@ -235,6 +235,7 @@ int run_replay(const Args& a) {
   if (given("--compression")) o.capture.compression = a.capture.compression;
   if (given("--ring-mb")) o.capture.ring_mb = a.capture.ring_mb;
   o.capture.overwrite = a.capture.overwrite;
+  o.capture.flush_every = a.capture.flush_every;
   DMI_CHECK(a.capture.sink == "hdf5" && a.capture.transport == "ring" && a.capture.on_full == "block",
             "--sink, --transport and --on-full cannot be combined with --replay (a replay writes a lossless HDF5 "
             "capture)");
@@ -407,6 +408,11 @@ int main(int argc, char** argv) {
                                 ->capture_default_str()
                                 ->check(dmi::apps::kPositive));
   cap->add_flag("--overwrite", a.capture.overwrite, "replace --output if it exists (otherwise an existing file is an error)");
+  cap->add_option("--flush-every", a.capture.flush_every,
+                  "seconds between flushes of the capture file: a kill loses at most the last interval, and live "
+                  "readers (dmi-inspect --follow, h5py swmr=True) see rows this often")
+      ->capture_default_str()
+      ->check(dmi::apps::kPositive);
   cap->add_option("--on-full", a.capture.on_full, "block (lossless) or drop (never stalls; drops are counted)")
       ->capture_default_str();
   cap->add_option("--sink", a.capture.sink, "hdf5, or null (transport only, data discarded)")->capture_default_str();

@@ -46,6 +46,7 @@ void validate_capture_config(const CaptureConfig& c) {
   DMI_CHECK(c.transport == "ring" || c.transport == "sync" || c.transport == "materialize",
             "--transport '{}' is not ring, sync or materialize", c.transport);
   DMI_CHECK(c.sink != "hdf5" || !c.output.empty(), "--hooks with --sink hdf5 needs --output FILE.h5");
+  DMI_CHECK(c.flush_every > 0, "--flush-every must be positive (got {})", c.flush_every);
 }
 
 void check_output_path(const CaptureConfig& c) {
@@ -79,20 +80,46 @@ CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, const
   o.capture_dtype = parse_capture_dtype(c.capture_dtype);
   o.max_len = max_len;
   point_ = std::make_unique<hooks::CapturePoint>(std::move(o), cfg, model_dtype);
-  sink_ = c.sink == "null" ? sink::make_null_sink() : sink::make_hdf5_sink(c.output, info, c.compression);
-  sink_->open(point_->streams());
-  const std::size_t n = point_->streams().size();
+  sink_ = c.sink == "null" ? sink::make_null_sink()
+                            : sink::make_hdf5_sink(c.output, info, sink::Hdf5Options{c.compression, c.flush_every});
+  // The sites' streams, then the token log's.
+  std::vector<sink::StreamInfo> streams = point_->streams();
+  token_stream_ = static_cast<std::uint16_t>(streams.size());
+  sink::StreamInfo log;
+  log.name = "token_log";
+  log.dtype = at::kInt;
+  log.layout = sink::Layout::token_log;
+  streams.push_back(log);
+  sink_->open(streams);
+  const std::size_t n = streams.size();
   if (c.transport == "sync") {
     sync_ = std::make_unique<ring::SyncProducer>(n, *sink_);
-    point_->attach(sync_.get());
+    producer_ = sync_.get();
   } else if (c.transport == "materialize") {
     materialize_ = std::make_unique<ring::MaterializeProducer>(n, *sink_);
-    point_->attach(materialize_.get());
+    producer_ = materialize_.get();
   } else {
     ring_ = std::make_unique<ring::CpuRing>(static_cast<std::size_t>(c.ring_mb * (1 << 20)), c.ring_records,
                                             c.on_full == "drop" ? ring::OnFull::drop : ring::OnFull::block, n, *sink_);
-    point_->attach(ring_.get());
+    producer_ = ring_.get();
   }
+  point_->attach(producer_);
+}
+
+void CaptureRun::log_tokens(std::int32_t step, const std::vector<std::int32_t>& seq,
+                            const std::vector<std::int32_t>& pos, const std::vector<std::int32_t>& ids) {
+  if (finished_ || ids.empty()) return;
+  ring::RecordMeta meta;
+  meta.stream = token_stream_;
+  meta.step = step;
+  meta.rows = static_cast<std::uint32_t>(ids.size());
+  meta.seq = seq.data();
+  meta.pos = pos.data();
+  meta.lossless = true;
+  producer_->push(meta, {}, at::kInt, [&](at::Tensor& dst) {
+    std::memcpy(dst.data_ptr(), ids.data(), ids.size() * sizeof(std::int32_t));
+  });
+  ++token_records_;
 }
 
 CaptureRun::~CaptureRun() {
@@ -122,6 +149,9 @@ CaptureResult CaptureRun::finish(const std::string& status, const std::vector<si
     f.status = "failed";
   }
   stats = ring_ ? ring_->stats() : sync_ ? sync_->stats() : materialize_->stats();
+  // The token log's records are not captures: the counts are the sites'.
+  stats.records_written -= std::min(stats.records_written, token_records_);
+  if (stats.dropped_per_stream.size() > token_stream_) stats.dropped_per_stream.resize(token_stream_);
   CaptureResult r{stats, f.status};
   f.records_written = r.stats.records_written;
   f.records_dropped = r.stats.records_dropped;

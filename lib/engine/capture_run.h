@@ -29,6 +29,9 @@ struct CaptureConfig {
   // sync (each hook writes inline) and materialize (keep all, write at end).
   std::string transport = "ring";
   bool overwrite = false;           // replace an existing output file
+  // Seconds between flushes of the HDF5 file: what a kill leaves, and how
+  // often live (SWMR) readers see new rows.
+  double flush_every = 1.0;
 };
 
 // Checks flag values that need no model; throws dmi::Error naming the flag.
@@ -51,6 +54,10 @@ class CaptureRun {
              at::ScalarType model_dtype, std::int64_t max_len, const sink::RunInfo& info);
   ~CaptureRun();
   hooks::Observer* observer() { return point_.get(); }
+  // Adds tokens chosen at a decode step to the file's token log (through the
+  // same transport as the sites, so the log never runs ahead of them).
+  void log_tokens(std::int32_t step, const std::vector<std::int32_t>& seq, const std::vector<std::int32_t>& pos,
+                  const std::vector<std::int32_t>& ids);
   const std::vector<sink::StreamInfo>& streams() const { return point_->streams(); }
   // Drains the ring and closes the sink with `status` (complete, interrupted
   // or failed). If draining fails, the file is closed as failed and the
@@ -65,6 +72,9 @@ class CaptureRun {
   std::unique_ptr<ring::CpuRing> ring_;
   std::unique_ptr<ring::SyncProducer> sync_;
   std::unique_ptr<ring::MaterializeProducer> materialize_;
+  ring::Producer* producer_ = nullptr;
+  std::uint16_t token_stream_ = 0;     // after the sites' streams
+  std::uint64_t token_records_ = 0;    // not counted as records written
   bool finished_ = false;
 };
 

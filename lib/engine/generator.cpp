@@ -133,8 +133,12 @@ void Generator::run_batch(const std::vector<std::vector<std::int32_t>>& prompts,
     }
   at::Tensor next_ids = at::zeros({B, 1}, at::kLong);
   at::Tensor next_pos = at::zeros({B, 1}, at::kLong);
+  std::vector<std::int32_t> chosen_seq, chosen_pos, chosen_ids;
   for (std::int64_t step = 0; remaining > 0; ++step) {
     const double step_start = now();
+    chosen_seq.clear();
+    chosen_pos.clear();
+    chosen_ids.clear();
     at::Tensor rows = logits.select(1, 0).contiguous();  // [B, V]
     auto nid = next_ids.accessor<std::int64_t, 2>();
     auto npos = next_pos.accessor<std::int64_t, 2>();
@@ -148,6 +152,9 @@ void Generator::run_batch(const std::vector<std::vector<std::int32_t>>& prompts,
       ++timings_.decode_tokens;
       nid[b][0] = tok;
       npos[b][0] = len[b] + step;
+      chosen_seq.push_back(static_cast<std::int32_t>(members[b]));
+      chosen_pos.push_back(static_cast<std::int32_t>(len[b] + step));
+      chosen_ids.push_back(tok);
       const std::int64_t made = static_cast<std::int64_t>(r.output_ids.size());
       const char* why = nullptr;
       if (is_eos(tok)) why = "eos";
@@ -162,6 +169,8 @@ void Generator::run_batch(const std::vector<std::vector<std::int32_t>>& prompts,
         --remaining;
       }
     }
+    if (opts_.on_tokens && !chosen_ids.empty())
+      opts_.on_tokens(static_cast<std::int32_t>(step), chosen_seq, chosen_pos, chosen_ids);
     if (remaining == 0) break;
     if (opts_.stop && opts_.stop->load()) {
       for (std::size_t b = 0; b < n; ++b)

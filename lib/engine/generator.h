@@ -23,6 +23,11 @@ struct GenerateOptions {
   // Called with each sequence's logits row [vocab] (float32) before the token
   // at `step` (0 = the first generated token) is chosen. For tests and tools.
   std::function<void(std::size_t seq, std::int64_t step, const at::Tensor& logits)> on_logits;
+  // Called after each decode step's sampling with the tokens chosen: their
+  // sequences, positions and ids (the capture's token log).
+  std::function<void(std::int32_t step, const std::vector<std::int32_t>& seq, const std::vector<std::int32_t>& pos,
+                     const std::vector<std::int32_t>& ids)>
+      on_tokens;
   // Called after each batch: (sequences done, total).
   std::function<void(std::size_t, std::size_t)> on_progress;
   // Set from another thread (a signal handler) to stop after the current step.

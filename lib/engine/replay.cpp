@@ -177,7 +177,8 @@ std::vector<std::string> environment_differences(const json& recorded, const jso
 }
 
 // Teacher forcing: one forward pass per batch over each sequence's prompt
-// and generated tokens (all but the last, which the generation never fed).
+// and generated tokens: all but the last, which the generation never fed,
+// except after a kill, when the last token logged may have been fed already.
 void teacher_force(model::CausalLM& model, const sink::CaptureFile& f, const std::vector<std::int32_t>& seqs,
                    std::int64_t batch_size, hooks::Observer* observer, const std::atomic<bool>* stop,
                    const std::function<void(std::size_t, std::size_t)>& on_progress,
@@ -194,7 +195,8 @@ void teacher_force(model::CausalLM& model, const sink::CaptureFile& f, const std
       const auto tokens = f.tokens(s);
       prompt_len[b] = f.prompt_length(s);
       const std::size_t generated = tokens.size() - static_cast<std::size_t>(prompt_len[b]);
-      fed[b].assign(tokens.begin(), tokens.end() - (generated > 0 ? 1 : 0));
+      const bool last_fed = f.status() == "killed";
+      fed[b].assign(tokens.begin(), tokens.end() - (generated > 0 && !last_fed ? 1 : 0));
       T = std::max<std::int64_t>(T, fed[b].size());
     }
     const std::int64_t B = static_cast<std::int64_t>(n);
@@ -298,6 +300,11 @@ ReplayResult replay(const ReplayOptions& o, const std::atomic<bool>* stop,
   r.source_timings = f.text_attr("timings");
   if (f.status() != "complete")
     r.warnings.push_back(fmt::format("{} has status '{}': replaying the part it contains", o.source, f.status()));
+  DMI_CHECK(f.status() != "running", "{}: still being written (status running): replay it once its run has finished",
+            o.source);
+  DMI_CHECK(o.mode == "forced" || f.status() != "killed",
+            "{}: its run was killed before closing the file, so where each batch stopped was not recorded: replay it "
+            "with --replay-mode forced (the tokens it logged, teacher-forced)", o.source);
 
   // Which sequences: whole recorded batches for exact (a sequence's numbers
   // depend on its batch), any subset for forced.
@@ -497,11 +504,13 @@ ReplayResult replay(const ReplayOptions& o, const std::atomic<bool>* stop,
     // A failed source may hold rows of the forward pass that failed, which a
     // replay stopping at its last recorded token does not run.
     const bool source_extra = f.int_attr("records_dropped").value_or(0) > 0 || f.status() == "failed";
+    // A killed source lost the rows after its last flush.
+    const bool source_short = f.int_attr("records_dropped").value_or(0) > 0 || f.status() == "killed";
     r.equal = true;
     for (const auto& sd : r.report.sequences) r.equal = r.equal && sd.equal;
     for (const auto& site : r.report.sites) {
       const bool rows_ok = (!same_tokens || source_extra || site.rows_only_b == 0) &&
-                           (!same_tokens || f.int_attr("records_dropped").value_or(0) > 0 || site.rows_only_a == 0);
+                           (!same_tokens || source_short || site.rows_only_a == 0);
       r.equal = r.equal && !site.shape_mismatch && site.mismatches == 0 && rows_ok;
     }
     replayed_file.reset();

@@ -163,8 +163,14 @@ RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const st
             width, std::min<std::int64_t>(p.size() + s.max_new_tokens, cfg.max_position_embeddings));
     sink::RunInfo info = make_run_info(s, m, width, hooks->resolved.record_json);
     for (const auto& a : job.extra_attributes) info.text.push_back(a);
+    info.prompt_texts = job.prompt_texts;
+    info.prompt_ids = job.prompts;
     const at::ScalarType dtype = s.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
     capture = std::make_unique<CaptureRun>(s.capture, cfg, m.model->site_space(), dtype, width, info);
+    opts.on_tokens = [c = capture.get()](std::int32_t step, const std::vector<std::int32_t>& seq,
+                                         const std::vector<std::int32_t>& pos, const std::vector<std::int32_t>& ids) {
+      c->log_tokens(step, seq, pos, ids);
+    };
   }
   if (hooks->intervener)
     hooks->chain = std::make_unique<hooks::HookChain>(hooks->intervener.get(), capture ? capture->observer() : nullptr,

@@ -54,7 +54,7 @@ bool CpuRing::push(const RecordMeta& meta, const std::vector<std::int64_t>& row_
       return start + need - tail_ <= cap && rec_head_ - rec_tail_ < records_.size();
     };
     if (need > cap) {
-      if (on_full_ == OnFull::drop) {
+      if (on_full_ == OnFull::drop && !meta.lossless) {
         ++stats_.records_dropped;
         ++stats_.dropped_per_stream[meta.stream];
         return false;
@@ -62,7 +62,7 @@ bool CpuRing::push(const RecordMeta& meta, const std::vector<std::int64_t>& row_
       DMI_FAIL("a capture record of {} bytes does not fit the ring arena ({} bytes): raise --ring-mb", need, cap);
     }
     if (!fits(offset)) {
-      if (on_full_ == OnFull::drop) {
+      if (on_full_ == OnFull::drop && !meta.lossless) {
         ++stats_.records_dropped;
         ++stats_.dropped_per_stream[meta.stream];
         return false;

@@ -45,6 +45,8 @@ struct RecordMeta {
   std::uint32_t rows = 0;
   const std::int32_t* seq = nullptr;  // [rows] sequence index of each row
   const std::int32_t* pos = nullptr;  // [rows] position within its sequence
+  // Never dropped, even with OnFull::drop (the token log: a few bytes a step).
+  bool lossless = false;
 };
 
 // Fixed-size entry of the metadata ring.

@@ -10,6 +10,7 @@
 
 #include "common/error.h"
 #include "sink/hdf5_sink.h"
+#include "sink/liveness.h"
 
 namespace dmi::sink {
 
@@ -114,7 +115,14 @@ std::unique_ptr<CaptureFile> CaptureFile::open(const std::string& path) {
   std::unique_ptr<CaptureFile> f(new CaptureFile());
   f->path_ = path;
   f->file_ = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
-  DMI_CHECK(f->file_ >= 0, "{}: cannot open: truncated or corrupt HDF5 file (or still being written)", path);
+  if (f->file_ < 0) {
+    // A capture being written (or whose writer died): HDF5 refuses plain
+    // readers while its open-for-writing flag is set, and lets SWMR readers in.
+    f->file_ = H5Fopen(path.c_str(), H5F_ACC_RDONLY | H5F_ACC_SWMR_READ, H5P_DEFAULT);
+    f->swmr_ = f->file_ >= 0;
+  }
+  DMI_CHECK(f->file_ >= 0, "{}: cannot open: truncated or corrupt HDF5 file (or its writer is closing it: try again)",
+            path);
   const hid_t file = f->file_;
   DMI_CHECK(read_text_attr(file, "format") == "dmi-capture", "{}: not a dmi capture (no format=\"dmi-capture\" attribute)",
             path);
@@ -124,8 +132,14 @@ std::unique_ptr<CaptureFile> CaptureFile::open(const std::string& path) {
             "regenerate it",
             path, version ? std::to_string(*version) : "missing", kOldestReadableFormatVersion, kCaptureFormatVersion);
   f->format_version_ = static_cast<int>(*version);
+  f->status_ = read_text_attr(file, "status");
+  if (f->status_ == "running" && writer_alive(read_text_attr(file, "writer")) == false) f->status_ = "killed";
 
-  if (H5Lexists(file, "sequences", H5P_DEFAULT) > 0) {
+  const bool closed = H5Lexists(file, "sequences", H5P_DEFAULT) > 0 &&
+                      H5Lexists(file, "sequences/tokens", H5P_DEFAULT) > 0;
+  if (!closed) {
+    f->read_token_log();
+  } else {
     H5Handle g{H5Gopen2(file, "sequences", H5P_DEFAULT), H5Gclose};
     f->tokens_ = read_all<std::int32_t>(g.id, "tokens", H5T_NATIVE_INT32, path);
     f->offsets_ = read_all<std::int64_t>(g.id, "offsets", H5T_NATIVE_INT64, path);
@@ -197,6 +211,55 @@ std::unique_ptr<CaptureFile> CaptureFile::open(const std::string& path) {
     for (std::size_t i = 0; i < f->sites_.size(); ++i) f->site_index_[f->sites_[i].name] = i;
   }
   return f;
+}
+
+void CaptureFile::read_token_log() {
+  const hid_t file = file_;
+  if (H5Lexists(file, "sequences", H5P_DEFAULT) > 0) {
+    H5Handle g{H5Gopen2(file, "sequences", H5P_DEFAULT), H5Gclose};
+    if (H5Lexists(g.id, "prompt_lengths", H5P_DEFAULT) > 0)
+      prompt_lengths_ = read_all<std::int32_t>(g.id, "prompt_lengths", H5T_NATIVE_INT32, path_);
+    if (H5Lexists(g.id, "prompt_text", H5P_DEFAULT) > 0) prompt_text_ = read_strings(g.id, "prompt_text", path_);
+  }
+  std::vector<std::int32_t> seq, pos, token;
+  if (H5Lexists(file, "token_log", H5P_DEFAULT) > 0) {
+    H5Handle g{H5Gopen2(file, "token_log", H5P_DEFAULT), H5Gclose};
+    seq = read_all<std::int32_t>(g.id, "seq", H5T_NATIVE_INT32, path_);
+    pos = read_all<std::int32_t>(g.id, "pos", H5T_NATIVE_INT32, path_);
+    token = read_all<std::int32_t>(g.id, "token", H5T_NATIVE_INT32, path_);
+  }
+  // The rows all three hold (a live writer extends them one after another).
+  const std::size_t rows = std::min({seq.size(), pos.size(), token.size()});
+  std::size_t n = prompt_lengths_.size();
+  for (std::size_t i = 0; i < rows; ++i)
+    if (seq[i] >= 0) n = std::max<std::size_t>(n, static_cast<std::size_t>(seq[i]) + 1);
+  // Each sequence's tokens by position, up to the first one not logged.
+  std::vector<std::vector<std::int32_t>> ids(n);
+  std::vector<std::vector<char>> have(n);
+  for (std::size_t i = 0; i < rows; ++i) {
+    DMI_CHECK(seq[i] >= 0 && pos[i] >= 0 && pos[i] < (1 << 24), "{}: /token_log row {} has sequence {} position {}: "
+              "corrupt capture", path_, i, seq[i], pos[i]);
+    auto& v = ids[seq[i]];
+    auto& h = have[seq[i]];
+    if (v.size() <= static_cast<std::size_t>(pos[i])) {
+      v.resize(pos[i] + 1);
+      h.resize(pos[i] + 1, 0);
+    }
+    v[pos[i]] = token[i];
+    h[pos[i]] = 1;
+  }
+  prompt_lengths_.resize(n, 0);
+  prompt_text_.resize(n);
+  offsets_.assign(1, 0);
+  for (std::size_t s = 0; s < n; ++s) {
+    const auto known = std::find(have[s].begin(), have[s].end(), 0) - have[s].begin();
+    tokens_.insert(tokens_.end(), ids[s].begin(), ids[s].begin() + known);
+    offsets_.push_back(static_cast<std::int64_t>(tokens_.size()));
+    prompt_lengths_[s] = std::min<std::int32_t>(prompt_lengths_[s], static_cast<std::int32_t>(known));
+  }
+  generated_text_.assign(n, "");
+  finish_reason_.assign(n, status_);
+  if (n == 0) offsets_.clear();
 }
 
 CaptureFile::~CaptureFile() {

@@ -37,7 +37,13 @@ class CaptureFile {
   ~CaptureFile();
 
   const std::string& path() const { return path_; }
-  std::string status() const { return text_attr("status"); }
+  // complete | interrupted | failed; running while its writer runs; killed
+  // when the writer died before closing it (stored status "running" and the
+  // writer process gone), or after recovery (sink/hdf5_sink.h).
+  const std::string& status() const { return status_; }
+  // Opened as an SWMR reader: the file was still open for writing (a live
+  // run, or a dead writer's file not yet recovered).
+  bool opened_live() const { return swmr_; }
   std::string text_attr(const std::string& name) const;  // "" when absent
   std::optional<std::int64_t> int_attr(const std::string& name) const;
 
@@ -45,7 +51,9 @@ class CaptureFile {
   const SiteEntry& site(const std::string& name) const;  // throws naming near matches
   bool has_site(const std::string& name) const;
 
-  // Sequences.
+  // Sequences. A capture that was not closed has no /sequences record: its
+  // sequences come from the token log (prompt and generated tokens so far;
+  // no generated text; finish_reason = status()).
   std::size_t n_sequences() const { return offsets_.empty() ? 0 : offsets_.size() - 1; }
   std::vector<std::int32_t> tokens(std::size_t seq) const;
   std::int32_t prompt_length(std::size_t seq) const { return prompt_lengths_.at(seq); }
@@ -77,6 +85,7 @@ class CaptureFile {
 
  private:
   CaptureFile() = default;
+  void read_token_log();
   at::Tensor read_selected(const std::string& site, const std::string& dataset,
                            const std::vector<std::int64_t>& rows, bool ints) const;
   std::string path_;
@@ -85,6 +94,8 @@ class CaptureFile {
   std::map<std::string, std::size_t> site_index_;
   mutable std::map<std::string, std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>>> index_cache_;
   int format_version_ = 0;
+  bool swmr_ = false;
+  std::string status_;
   std::vector<std::int32_t> tokens_, prompt_lengths_, batch_, row_, left_pad_;
   std::vector<std::int64_t> offsets_;
   std::vector<std::string> prompt_text_, generated_text_, finish_reason_;

@@ -8,9 +8,15 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <limits>
+
+#include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "sink/capture_file.h"
+#include "sink/liveness.h"
 
 namespace dmi::sink {
 
@@ -122,15 +128,23 @@ void write_strings(hid_t loc, const std::string& name, const std::vector<std::st
   H5Tclose(type);
 }
 
+// The file access properties of every capture: the latest format (HDF5
+// 1.10), which SWMR writing and reading need.
+hid_t latest_fapl() {
+  hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
+  H5Pset_libver_bounds(fapl, H5F_LIBVER_LATEST, H5F_LIBVER_LATEST);
+  return fapl;
+}
+
+// A write the file system refused (typically: disk full).
+struct WriteError {};
+
 // An extendible [rows, ...] dataset, chunked along rows with whole rows in
 // each chunk, appended to by the writer. Appends are staged until a chunk is
 // full and then written as one chunk: without filters straight into the file
 // (H5Dwrite_chunk: no hyperslab selection, no chunk cache, no second copy),
-// with filters through one whole-chunk H5Dwrite. finish() writes the last,
-// partial chunk.
-// A write the file system refused (typically: disk full).
-struct WriteError {};
-
+// with filters through one whole-chunk H5Dwrite. publish() writes the staged
+// rows of the unfinished chunk too (at each flush), finish() at close.
 class Table {
  public:
   Table(hid_t group, const std::string& name, hid_t type, const std::vector<std::int64_t>& row_shape,
@@ -170,7 +184,8 @@ class Table {
     const auto* p = static_cast<const std::uint8_t*>(data);
     while (rows > 0) {
       if (staged_ == 0 && rows >= chunk_rows_) {  // whole chunks straight from the caller's buffer
-        write_chunk(p);
+        write_chunk(p, chunk_rows_);
+        rows_ += chunk_rows_;
         p += chunk_rows_ * row_bytes_;
         rows -= chunk_rows_;
         continue;
@@ -182,76 +197,75 @@ class Table {
       p += n * row_bytes_;
       rows -= n;
       if (staged_ == chunk_rows_) {
-        write_chunk(stage_.data());
-        staged_ = 0;
+        write_chunk(stage_.data(), chunk_rows_);
+        rows_ += chunk_rows_;
+        staged_ = published_ = 0;
       }
     }
   }
 
+  // Writes the staged rows of the unfinished chunk (they stay staged: the
+  // chunk is written again when it fills).
+  void publish() {
+    if (staged_ == published_) return;
+    write_chunk(stage_.data(), staged_);
+    published_ = staged_;
+  }
+
   // Writes the staged rows (the last chunk, partly filled).
   void finish() {
-    if (staged_ == 0) return;
-    const hsize_t n = staged_;
-    staged_ = 0;
-    write_rows(stage_.data(), n);
+    publish();
+    rows_ += staged_;
+    staged_ = published_ = 0;
   }
 
-  // Forgets the staged rows (after a failed write there is no room for them).
-  void discard() { staged_ = 0; }
-
-  // Rows in the file (written, not staged).
-  hsize_t rows() const { return rows_; }
-  // Drops rows past n (to keep data, seq and pos aligned after a failure).
-  void truncate(hsize_t n) {
-    if (n >= rows_) return;
-    set_extent(n);
-    rows_ = n;
+  // Forgets the rows staged since the last publish() (after a failed write
+  // there is no room for them).
+  void discard() {
+    rows_ += published_;
+    staged_ = published_ = 0;
   }
+
+  // Rows in the file (written, not only staged).
+  hsize_t rows() const { return rows_ + published_; }
 
  private:
   void extend(hsize_t rows) {
+    if (rows == extent_) return;
     std::vector<hsize_t> dims(rank_);
     dims[0] = rows;
     for (int i = 1; i < rank_; ++i) dims[i] = row_dims_[i - 1];
     if (H5Dset_extent(id_, dims.data()) < 0) throw WriteError();
+    extent_ = rows;
   }
 
-  void write_chunk(const void* data) {
-    if (!direct_) return write_rows(data, chunk_rows_);
-    extend(rows_ + chunk_rows_);
-    std::vector<hsize_t> offset(rank_, 0);
-    offset[0] = rows_;
-    if (H5Dwrite_chunk(id_, H5P_DEFAULT, 0, offset.data(), chunk_rows_ * row_bytes_, data) < 0) {
-      set_extent(rows_);  // the rows in the file stay the ones written
-      throw WriteError();
-    }
-    rows_ += chunk_rows_;
-  }
-
-  void write_rows(const void* data, hsize_t rows) {
-    std::vector<hsize_t> start(rank_, 0), count(rank_);
-    count[0] = rows;
-    start[0] = rows_;
-    for (int i = 1; i < rank_; ++i) count[i] = row_dims_[i - 1];
+  // Writes `rows` rows (a whole chunk, or the first rows of one) as the
+  // chunk starting at row rows_.
+  void write_chunk(const void* data, hsize_t rows) {
     extend(rows_ + rows);
-    hid_t fspace = H5Dget_space(id_);
-    H5Sselect_hyperslab(fspace, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr);
-    hid_t mspace = H5Screate_simple(rank_, count.data(), nullptr);
-    herr_t rc = H5Dwrite(id_, type_, mspace, fspace, H5P_DEFAULT, data);
-    H5Sclose(mspace);
-    H5Sclose(fspace);
+    std::vector<hsize_t> start(rank_, 0), count(rank_);
+    start[0] = rows_;
+    herr_t rc;
+    if (direct_) {
+      // The whole chunk buffer: rows past `rows` lie outside the extent.
+      rc = H5Dwrite_chunk(id_, H5P_DEFAULT, 0, start.data(), chunk_rows_ * row_bytes_, data);
+    } else {
+      count[0] = rows;
+      for (int i = 1; i < rank_; ++i) count[i] = row_dims_[i - 1];
+      hid_t fspace = H5Dget_space(id_);
+      H5Sselect_hyperslab(fspace, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr);
+      hid_t mspace = H5Screate_simple(rank_, count.data(), nullptr);
+      rc = H5Dwrite(id_, type_, mspace, fspace, H5P_DEFAULT, data);
+      H5Sclose(mspace);
+      H5Sclose(fspace);
+    }
     if (rc < 0) {
-      set_extent(rows_);
+      try {
+        extend(this->rows());  // the rows in the file stay the ones written
+      } catch (const WriteError&) {
+      }
       throw WriteError();
     }
-    rows_ += rows;
-  }
-
-  void set_extent(hsize_t rows) {
-    std::vector<hsize_t> dims(rank_);
-    dims[0] = rows;
-    for (int i = 1; i < rank_; ++i) dims[i] = row_dims_[i - 1];
-    H5Dset_extent(id_, dims.data());  // best effort: after a failed write the index may refuse it
   }
 
   int rank_;
@@ -260,8 +274,10 @@ class Table {
   std::size_t row_bytes_ = 0;
   hsize_t chunk_rows_ = 1;
   hid_t id_ = -1, type_ = -1;
-  hsize_t rows_ = 0;    // rows in the file
-  hsize_t staged_ = 0;  // rows in stage_
+  hsize_t rows_ = 0;       // rows in whole chunks in the file
+  hsize_t staged_ = 0;     // rows in stage_ (the chunk after rows_)
+  hsize_t published_ = 0;  // of those, rows already written by publish()
+  hsize_t extent_ = 0;     // the dataset's current extent
   std::vector<std::uint8_t> stage_;
 };
 
@@ -278,15 +294,125 @@ struct Stream {
     ids.reset();
     if (group >= 0) H5Gclose(group);
   }
+  std::vector<Table*> tables() const {
+    std::vector<Table*> t;
+    for (Table* x : {seq.get(), pos.get(), data.get(), ids.get()})
+      if (x) t.push_back(x);
+    return t;
+  }
+};
+
+// /sequences: what each prompt became (written at close, or by recovery).
+// Datasets already there (the prompts, written at creation) are replaced.
+void write_sequences(hid_t file, const std::vector<SequenceInfo>& seqs, const std::string& path) {
+  hid_t g = H5Lexists(file, "sequences", H5P_DEFAULT) > 0
+                ? H5Gopen2(file, "sequences", H5P_DEFAULT)
+                : H5Gcreate2(file, "sequences", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+  DMI_CHECK(g >= 0, "{}: cannot create /sequences", path);
+  for (const char* name : {"tokens", "offsets", "prompt_lengths", "prompt_text", "generated_text", "finish_reason",
+                           "batch", "row", "left_pad"})
+    if (H5Lexists(g, name, H5P_DEFAULT) > 0) H5Ldelete(g, name, H5P_DEFAULT);
+  std::vector<std::int32_t> tokens, prompt_lengths, batch, row, left_pad;
+  std::vector<std::int64_t> offsets{0};
+  std::vector<std::string> prompts, texts, reasons;
+  for (const auto& s : seqs) {
+    tokens.insert(tokens.end(), s.prompt_ids.begin(), s.prompt_ids.end());
+    tokens.insert(tokens.end(), s.output_ids.begin(), s.output_ids.end());
+    offsets.push_back(static_cast<std::int64_t>(tokens.size()));
+    prompt_lengths.push_back(static_cast<std::int32_t>(s.prompt_ids.size()));
+    prompts.push_back(s.prompt);
+    texts.push_back(s.text);
+    reasons.push_back(s.finish_reason);
+    batch.push_back(s.batch);
+    row.push_back(s.row);
+    left_pad.push_back(s.left_pad);
+  }
+  try {
+    write_vector(g, "tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, tokens);
+    write_vector(g, "offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, offsets);
+    write_vector(g, "prompt_lengths", H5T_STD_I32LE, H5T_NATIVE_INT32, prompt_lengths);
+    write_strings(g, "prompt_text", prompts);
+    write_strings(g, "generated_text", texts);
+    write_strings(g, "finish_reason", reasons);
+    write_vector(g, "batch", H5T_STD_I32LE, H5T_NATIVE_INT32, batch);
+    write_vector(g, "row", H5T_STD_I32LE, H5T_NATIVE_INT32, row);
+    write_vector(g, "left_pad", H5T_STD_I32LE, H5T_NATIVE_INT32, left_pad);
+  } catch (...) {
+    H5Gclose(g);
+    throw;
+  }
+  H5Gclose(g);
+}
+
+std::vector<hsize_t> extent_of(hid_t d) {
+  hid_t s = H5Dget_space(d);
+  std::vector<hsize_t> dims(std::max(H5Sget_simple_extent_ndims(s), 0));
+  H5Sget_simple_extent_dims(s, dims.data(), nullptr);
+  H5Sclose(s);
+  return dims;
+}
+
+// Every table of a site ends with the same rows: those all of them hold
+// (after a full disk or a kill they can differ by the last chunk). Returns
+// the rows kept per site name.
+std::vector<std::pair<std::string, std::int64_t>> align_site_rows(hid_t file) {
+  std::vector<std::pair<std::string, std::int64_t>> out;
+  if (H5Lexists(file, "sites", H5P_DEFAULT) <= 0) return out;
+  hid_t sites = H5Gopen2(file, "sites", H5P_DEFAULT);
+  hsize_t n = 0;
+  H5Gget_num_objs(sites, &n);
+  for (hsize_t i = 0; i < n; ++i) {
+    char name[512];
+    H5Gget_objname_by_idx(sites, i, name, sizeof name);
+    hid_t g = H5Gopen2(sites, name, H5P_DEFAULT);
+    std::vector<hid_t> ds;
+    for (const char* t : {"data", "seq", "pos", "ids"})
+      if (H5Lexists(g, t, H5P_DEFAULT) > 0) ds.push_back(H5Dopen2(g, t, H5P_DEFAULT));
+    hsize_t rows = std::numeric_limits<hsize_t>::max();
+    for (hid_t d : ds) rows = std::min(rows, d >= 0 && !extent_of(d).empty() ? extent_of(d)[0] : 0);
+    if (ds.empty()) rows = 0;
+    for (hid_t d : ds) {
+      if (d < 0) continue;
+      auto dims = extent_of(d);
+      if (!dims.empty() && dims[0] > rows) {
+        dims[0] = rows;
+        H5Dset_extent(d, dims.data());
+      }
+      H5Dclose(d);
+    }
+    H5Gclose(g);
+    out.emplace_back(name, static_cast<std::int64_t>(rows));
+  }
+  H5Gclose(sites);
+  return out;
+}
+
+// /token_log: (seq, pos, token) of every token known, prompt tokens first.
+struct TokenLog {
+  hid_t group = -1;
+  std::unique_ptr<Table> seq, pos, token;
+  ~TokenLog() {
+    seq.reset();
+    pos.reset();
+    token.reset();
+    if (group >= 0) H5Gclose(group);
+  }
+  std::vector<Table*> tables() const { return {seq.get(), pos.get(), token.get()}; }
+  void append(std::uint32_t rows, const std::int32_t* s, const std::int32_t* p, const std::int32_t* t) {
+    seq->append(s, rows);
+    pos->append(p, rows);
+    token->append(t, rows);
+  }
 };
 
 class Hdf5Sink final : public Sink {
  public:
-  Hdf5Sink(const std::string& path, const RunInfo& info, const std::string& compression)
-      : path_(path), comp_(parse_compression(compression)) {
+  Hdf5Sink(const std::string& path, const RunInfo& info, const Hdf5Options& o)
+      : path_(path), comp_(parse_compression(o.compression)), flush_every_(o.flush_every),
+        prompt_ids_(info.prompt_ids) {
+    DMI_CHECK(o.flush_every > 0, "--flush-every must be positive (got {})", o.flush_every);
     H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);  // errors become dmi::Error below
-    hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
-    H5Pset_libver_bounds(fapl, H5F_LIBVER_V18, H5F_LIBVER_LATEST);
+    hid_t fapl = latest_fapl();
     file_ = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
     H5Pclose(fapl);
     DMI_CHECK(file_ >= 0, "{}: cannot create capture file", path);
@@ -294,15 +420,25 @@ class Hdf5Sink final : public Sink {
     set_attr_int(file_, "format_version", kCaptureFormatVersion);
     for (const auto& [k, v] : info.text) set_attr_text(file_, k, v);
     for (const auto& [k, v] : info.ints) set_attr_int(file_, k, v);
-    set_attr_text(file_, "compression", compression.empty() ? "none" : compression);
-    set_attr_text(file_, "status", "failed");  // until close() says otherwise
-    H5Fflush(file_, H5F_SCOPE_GLOBAL);
+    set_attr_text(file_, "compression", o.compression.empty() ? "none" : o.compression);
+    set_attr_text(file_, "writer", writer_record());
+    set_attr_text(file_, "status", "running");  // until close() says otherwise
+    if (!info.prompt_texts.empty()) {
+      hid_t g = H5Gcreate2(file_, "sequences", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+      DMI_CHECK(g >= 0, "{}: cannot create /sequences", path_);
+      write_strings(g, "prompt_text", info.prompt_texts);
+      std::vector<std::int32_t> lengths;
+      for (const auto& p : info.prompt_ids) lengths.push_back(static_cast<std::int32_t>(p.size()));
+      write_vector(g, "prompt_lengths", H5T_STD_I32LE, H5T_NATIVE_INT32, lengths);
+      H5Gclose(g);
+    }
     reserve_space();
   }
 
   ~Hdf5Sink() override {
     release_reserve();
     streams_.clear();
+    token_log_.reset();
     if (sites_ >= 0) H5Gclose(sites_);
     if (file_ >= 0) H5Fclose(file_);
   }
@@ -310,14 +446,23 @@ class Hdf5Sink final : public Sink {
   void open(const std::vector<StreamInfo>& streams) override {
     sites_ = H5Gcreate2(file_, "sites", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
     DMI_CHECK(sites_ >= 0, "{}: cannot create /sites", path_);
-    for (const auto& si : streams) {
+    std::int64_t site_index = 0;
+    for (std::size_t i = 0; i < streams.size(); ++i) {
+      const auto& si = streams[i];
+      if (si.layout == Layout::token_log) {
+        open_token_log(static_cast<std::uint16_t>(i));
+        streams_.push_back(nullptr);
+        continue;
+      }
+      site_stream_.push_back(i);
       auto s = std::make_unique<Stream>();
       s->info = si;
       s->group = H5Gcreate2(sites_, si.name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
       DMI_CHECK(s->group >= 0, "{}: cannot create /sites/{}", path_, si.name);
       set_attr_text(s->group, "site", si.name);
       set_attr_int(s->group, "layer", si.layer);
-      set_attr_int(s->group, "index", static_cast<std::int64_t>(streams_.size()));
+      set_attr_int(s->group, "index", site_index++);
+      set_attr_int(s->group, "records_dropped", 0);
       if (si.layout == Layout::topk) {
         const std::int64_t k = si.row_shape.back();
         hid_t f32 = H5Tcopy(H5T_IEEE_F32LE), i32 = H5Tcopy(H5T_STD_I32LE);
@@ -340,6 +485,17 @@ class Hdf5Sink final : public Sink {
       H5Tclose(i32);
       streams_.push_back(std::move(s));
     }
+    // From here on readers may open the file (SWMR); no object or attribute
+    // is created until close() reopens it.
+    try {
+      if (token_log_)
+        for (Table* t : token_log_->tables()) t->publish();
+    } catch (const WriteError&) {
+      DMI_FAIL("{}", write_failure());
+    }
+    H5_CHECK(H5Fflush(file_, H5F_SCOPE_GLOBAL), "{}", write_failure());
+    H5_CHECK(H5Fstart_swmr_write(file_), "{}: cannot start SWMR writing", path_);
+    last_flush_ = std::chrono::steady_clock::now();
   }
 
   void write(std::uint16_t stream, std::int32_t, std::uint32_t rows, const std::int32_t* seq,
@@ -349,7 +505,11 @@ class Hdf5Sink final : public Sink {
       writer_quiet_ = true;
     }
     try {
-      append(stream, rows, seq, pos, data);
+      if (token_log_ && stream == token_stream_)
+        token_log_->append(rows, seq, pos, static_cast<const std::int32_t*>(data));
+      else
+        append(stream, rows, seq, pos, data);
+      if (std::chrono::steady_clock::now() - last_flush_ >= std::chrono::duration<double>(flush_every_)) flush();
     } catch (const WriteError&) {
       write_failed_ = true;
       throw Error(write_failure());
@@ -384,61 +544,60 @@ class Hdf5Sink final : public Sink {
     // when the data filled the disk.
     release_reserve();
     bool lost = false;
-    for (auto& s : streams_) {
-      for (Table* t : {s->seq.get(), s->pos.get(), s->data.get(), s->ids.get()}) {
-        if (!t) continue;
-        // After a failed write, the reserve goes to the small index tables
-        // (so the data rows on disk stay addressable) and the metadata; the
-        // data's staged rows are dropped.
-        const bool index = t == s->seq.get() || t == s->pos.get();
-        if (lost || (write_failed_ && !index)) {
-          t->discard();
-          continue;
-        }
-        try {
-          t->finish();
-        } catch (const WriteError&) {
-          lost = true;
-        }
+    std::vector<Table*> tables;
+    for (auto& s : streams_)
+      if (s)
+        for (Table* t : s->tables()) tables.push_back(t);
+    if (token_log_)
+      for (Table* t : token_log_->tables()) tables.push_back(t);
+    for (Table* t : tables) {
+      // After a failed write, the reserve goes to the small index tables
+      // (so the data rows on disk stay addressable) and the metadata; the
+      // data's unpublished rows are dropped.
+      const bool index = std::any_of(streams_.begin(), streams_.end(), [&](const auto& s) {
+        return s && (t == s->seq.get() || t == s->pos.get());
+      });
+      if (lost || (write_failed_ && !index)) {
+        t->discard();
+        continue;
       }
-      // data, seq, pos (and ids) keep the same rows: those all of them hold.
-      hsize_t n = s->data->rows();
-      for (Table* t : {s->seq.get(), s->pos.get(), s->ids.get()})
-        if (t) n = std::min(n, t->rows());
-      for (Table* t : {s->data.get(), s->seq.get(), s->pos.get(), s->ids.get()})
-        if (t) t->truncate(n);
+      try {
+        t->finish();
+      } catch (const WriteError&) {
+        lost = true;
+      }
     }
-    hid_t g = H5Gcreate2(file_, "sequences", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-    DMI_CHECK(g >= 0, "{}: cannot create /sequences", path_);
-    std::vector<std::int32_t> tokens, prompt_lengths, batch, row, left_pad;
-    std::vector<std::int64_t> offsets{0};
-    std::vector<std::string> prompts, texts, reasons;
-    for (const auto& s : f.sequences) {
-      tokens.insert(tokens.end(), s.prompt_ids.begin(), s.prompt_ids.end());
-      tokens.insert(tokens.end(), s.output_ids.begin(), s.output_ids.end());
-      offsets.push_back(static_cast<std::int64_t>(tokens.size()));
-      prompt_lengths.push_back(static_cast<std::int32_t>(s.prompt_ids.size()));
-      prompts.push_back(s.prompt);
-      texts.push_back(s.text);
-      reasons.push_back(s.finish_reason);
-      batch.push_back(s.batch);
-      row.push_back(s.row);
-      left_pad.push_back(s.left_pad);
-    }
-    write_vector(g, "tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, tokens);
-    write_vector(g, "offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, offsets);
-    write_vector(g, "prompt_lengths", H5T_STD_I32LE, H5T_NATIVE_INT32, prompt_lengths);
-    write_strings(g, "prompt_text", prompts);
-    write_strings(g, "generated_text", texts);
-    write_strings(g, "finish_reason", reasons);
-    write_vector(g, "batch", H5T_STD_I32LE, H5T_NATIVE_INT32, batch);
-    write_vector(g, "row", H5T_STD_I32LE, H5T_NATIVE_INT32, row);
-    write_vector(g, "left_pad", H5T_STD_I32LE, H5T_NATIVE_INT32, left_pad);
-    H5Gclose(g);
+    std::vector<std::string> site_names;
+    for (auto& s : streams_)
+      if (s) site_names.push_back(s->info.name);
+    streams_.clear();
+    token_log_.reset();
+    if (sites_ >= 0) H5Gclose(sites_);
+    sites_ = -1;
+    // The SWMR writer can create nothing: close, and reopen as a plain
+    // writer for the final record. A kill in between leaves a closed file
+    // with status "running" whose writer is gone.
+    herr_t rc = H5Fclose(file_);
+    file_ = -1;
+    H5_CHECK(rc, "{}: closing the capture file failed (disk full?)", path_);
+    // Without HDF5's file lock: SWMR readers (h5py swmr=True, dmi-inspect
+    // --follow) hold a shared lock for as long as they keep the file open.
+    hid_t fapl = latest_fapl();
+    H5Pset_file_locking(fapl, false, true);
+    file_ = H5Fopen(path_.c_str(), H5F_ACC_RDWR, fapl);
+    H5Pclose(fapl);
+    DMI_CHECK(file_ >= 0, "{}: cannot reopen the capture file to finish it", path_);
+    align_site_rows(file_);
+    write_sequences(file_, f.sequences, path_);
     std::vector<std::int64_t> drops;
-    for (std::size_t i = 0; i < streams_.size(); ++i) {
-      const std::uint64_t d = i < f.dropped_per_stream.size() ? f.dropped_per_stream[i] : 0;
-      set_attr_int(streams_[i]->group, "records_dropped", static_cast<std::int64_t>(d));
+    for (std::size_t i = 0, k = 0; i < site_stream_.size(); ++i) {
+      const std::size_t stream = site_stream_[i];
+      const std::uint64_t d = stream < f.dropped_per_stream.size() ? f.dropped_per_stream[stream] : 0;
+      hid_t g = H5Gopen2(file_, ("sites/" + site_names.at(k++)).c_str(), H5P_DEFAULT);
+      if (g >= 0) {
+        set_attr_int(g, "records_dropped", static_cast<std::int64_t>(d));
+        H5Gclose(g);
+      }
       drops.push_back(static_cast<std::int64_t>(d));
     }
     set_attr_ints(file_, "records_dropped_per_site", drops);
@@ -446,15 +605,46 @@ class Hdf5Sink final : public Sink {
     set_attr_int(file_, "records_dropped", static_cast<std::int64_t>(f.records_dropped));
     if (!f.timings_json.empty()) set_attr_text(file_, "timings", f.timings_json);
     set_attr_text(file_, "status", f.status);
-    streams_.clear();
-    if (sites_ >= 0) H5Gclose(sites_);
-    sites_ = -1;
-    herr_t rc = H5Fclose(file_);
+    rc = H5Fclose(file_);
     file_ = -1;
     H5_CHECK(rc, "{}: closing the capture file failed (disk full?)", path_);
   }
 
  private:
+  void open_token_log(std::uint16_t stream) {
+    token_stream_ = stream;
+    token_log_ = std::make_unique<TokenLog>();
+    token_log_->group = H5Gcreate2(file_, "token_log", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    DMI_CHECK(token_log_->group >= 0, "{}: cannot create /token_log", path_);
+    hid_t i32 = H5Tcopy(H5T_STD_I32LE);
+    const std::vector<std::int64_t> scalar;
+    token_log_->seq = std::make_unique<Table>(token_log_->group, "seq", i32, scalar, comp_, 1024);
+    token_log_->pos = std::make_unique<Table>(token_log_->group, "pos", i32, scalar, comp_, 1024);
+    token_log_->token = std::make_unique<Table>(token_log_->group, "token", i32, scalar, comp_, 1024);
+    H5Tclose(i32);
+    for (std::size_t s = 0; s < prompt_ids_.size(); ++s) {
+      const auto& ids = prompt_ids_[s];
+      std::vector<std::int32_t> seq(ids.size(), static_cast<std::int32_t>(s)), pos(ids.size());
+      for (std::size_t p = 0; p < ids.size(); ++p) pos[p] = static_cast<std::int32_t>(p);
+      token_log_->append(static_cast<std::uint32_t>(ids.size()), seq.data(), pos.data(), ids.data());
+    }
+  }
+
+  // Makes every row written so far durable against a kill of this process
+  // and visible to SWMR readers: the staged rows, HDF5's metadata, and the
+  // file's pages on disk.
+  void flush() {
+    for (auto& s : streams_)
+      if (s)
+        for (Table* t : s->tables()) t->publish();
+    if (token_log_)
+      for (Table* t : token_log_->tables()) t->publish();
+    if (H5Fflush(file_, H5F_SCOPE_LOCAL) < 0) throw WriteError();
+    void* handle = nullptr;
+    if (H5Fget_vfd_handle(file_, H5P_DEFAULT, &handle) >= 0 && handle) ::fdatasync(*static_cast<int*>(handle));
+    last_flush_ = std::chrono::steady_clock::now();
+  }
+
   // Holds back some free space in the output's directory (an unlinked file
   // with allocated blocks), given back at close: a full disk then still
   // leaves room to close the file readable.
@@ -495,11 +685,17 @@ class Hdf5Sink final : public Sink {
 
   std::string path_;
   Compression comp_;
+  double flush_every_;
+  std::vector<std::vector<std::int32_t>> prompt_ids_;
   int reserve_fd_ = -1;
   bool writer_quiet_ = false;
   bool write_failed_ = false;
   hid_t file_ = -1, sites_ = -1;
-  std::vector<std::unique_ptr<Stream>> streams_;
+  std::vector<std::unique_ptr<Stream>> streams_;  // by stream id; null for the token log
+  std::vector<std::size_t> site_stream_;          // stream id of each site, in site order
+  std::unique_ptr<TokenLog> token_log_;
+  std::uint16_t token_stream_ = 0;
+  std::chrono::steady_clock::time_point last_flush_;
 };
 
 // HDF5 closes files left open at exit; after a failed H5Fclose (a full disk)
@@ -510,8 +706,67 @@ const bool kNoHdf5AtExit = (H5dont_atexit(), true);
 
 void validate_compression(const std::string& compression) { parse_compression(compression); }
 
-std::unique_ptr<Sink> make_hdf5_sink(const std::string& path, const RunInfo& info, const std::string& compression) {
-  return std::make_unique<Hdf5Sink>(path, info, compression);
+std::unique_ptr<Sink> make_hdf5_sink(const std::string& path, const RunInfo& info, const Hdf5Options& options) {
+  return std::make_unique<Hdf5Sink>(path, info, options);
+}
+
+RecoverResult recover_capture(const std::string& path,
+                              const std::function<std::string(const std::vector<std::int32_t>&)>& decode) {
+  std::vector<SequenceInfo> seqs;
+  RecoverResult r;
+  {
+    // As a reader first: is it a capture whose writer is gone, and what
+    // did its token log keep?
+    auto f = CaptureFile::open(path);
+    const std::string stored = f->text_attr("status"), writer = f->text_attr("writer");
+    DMI_CHECK(stored == "running", "{}: status is '{}': nothing to recover (only a capture whose writer died, status "
+              "running, needs it)", path, stored);
+    DMI_CHECK(f->status() == "killed", "{}: {}", path,
+              writer_alive(writer).has_value()
+                  ? fmt::format("its writer is still running ({}); wait for it to finish", writer)
+                  : fmt::format("written on another host ({}): recover it there, where dmi can tell whether its "
+                                "writer still runs", writer));
+    for (std::size_t s = 0; s < f->n_sequences(); ++s) {
+      const auto ids = f->tokens(s);
+      const auto plen = static_cast<std::size_t>(f->prompt_length(s));
+      SequenceInfo si;
+      si.prompt = f->prompt_text(s);
+      si.prompt_ids.assign(ids.begin(), ids.begin() + plen);
+      si.output_ids.assign(ids.begin() + plen, ids.end());
+      if (decode) si.text = decode(si.output_ids);
+      si.finish_reason = "killed";
+      r.tokens += ids.size();
+      seqs.push_back(std::move(si));
+    }
+    r.sequences = seqs.size();
+  }
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  // Open for writing despite the open-for-writing flag the dead writer left
+  // (what h5clear -s does, through the same file-access property).
+  hid_t fapl = latest_fapl();
+  hbool_t clear = true;
+  H5Pset(fapl, "clear_status_flags", &clear);
+  hid_t file = H5Fopen(path.c_str(), H5F_ACC_RDWR, fapl);
+  H5Pclose(fapl);
+  DMI_CHECK(file >= 0, "{}: cannot open it for writing to recover it (is another process reading it? otherwise try "
+            "'h5clear -s {}', then recover again)", path, path);
+  try {
+    for (const auto& [name, rows] : align_site_rows(file)) {
+      ++r.sites;
+      r.rows += rows;
+    }
+    write_sequences(file, seqs, path);
+    set_attr_text(file, "status", "killed");
+    set_attr_text(file, "recovered",
+                  nlohmann::json{{"tool", "dmi-inspect recover"}, {"tool_version", DMI_VERSION}, {"rows", r.rows},
+                                 {"tokens", r.tokens}}
+                      .dump());
+  } catch (...) {
+    H5Fclose(file);
+    throw;
+  }
+  H5_CHECK(H5Fclose(file), "{}: closing the recovered capture failed (disk full?)", path);
+  return r;
 }
 
 }  // namespace dmi::sink

@@ -16,6 +16,10 @@ enum class Layout {
   dense,      // data [rows, ...row_shape]
   topk,       // payload [rows, 2, K] float32: values then ids; stored as data (values) + ids
   attention,  // data [rows, heads, max_len]: key position k of the same sequence, k <= pos
+  // Not a site: the token log, one row per token chosen, (seq, pos) and the
+  // token id (int32), stored as /token_log so that a running or killed
+  // capture has its tokens (docs/capture-format.md). At most one per sink.
+  token_log,
 };
 
 struct StreamInfo {
@@ -30,6 +34,11 @@ struct StreamInfo {
 struct RunInfo {
   std::vector<std::pair<std::string, std::string>> text;
   std::vector<std::pair<std::string, std::int64_t>> ints;
+  // The prompts, when known up front: written at creation (/sequences/
+  // prompt_text, prompt_lengths, and the prompt tokens in /token_log), so a
+  // capture that never closes still has them.
+  std::vector<std::string> prompt_texts;
+  std::vector<std::vector<std::int32_t>> prompt_ids;
 };
 
 struct SequenceInfo {

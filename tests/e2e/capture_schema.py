@@ -49,6 +49,7 @@ def describe(f):
     return {
         "attributes": attrs(f),
         "sequences": {k: ds(v) for k, v in f["sequences"].items()},
+        **({"token_log": {k: ds(v) for k, v in f["token_log"].items()}} if "token_log" in f else {}),
         "sites": {name: dict({"attributes": attrs(g)}, **{k: ds(v) for k, v in g.items()})
                   for name, g in f["sites"].items()},
     }

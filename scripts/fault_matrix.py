@@ -106,9 +106,12 @@ for sig, name in [(signal.SIGINT, "SIGINT (Ctrl-C)"), (signal.SIGTERM, "SIGTERM"
     wait_for(out, p, 1.0)
     p.send_signal(sig)
     p.wait(timeout=120)
-    record(name, p.returncode, out, reference, "after recover: " + (
-        "status " + dmi_status(out) if sig != signal.SIGKILL or
-        subprocess.run([DMI_INSPECT, out, "recover"], capture_output=True).returncode == 0 else "FAILED"))
+    record(name, p.returncode, out, reference)
+    if sig == signal.SIGKILL:
+        rc = subprocess.run([DMI_INSPECT, out, "recover"], capture_output=True).returncode
+        stored, rows = rows_of(out)
+        results[-1] = results[-1][:-1] + (f"dmi-inspect recover: exit {rc}, then status {stored}, {len(rows)} rows, "
+                                          "opens in plain h5py",)
 
 mnt = os.path.join(tmp, "small")
 os.mkdir(mnt)
@@ -130,8 +133,11 @@ else:
 
 r = subprocess.run(command(os.path.join(tmp, "missing-dir", "x.h5")), capture_output=True, text=True)
 record("output directory missing", r.returncode, None, reference, r.stderr.strip()[:90])
+before = os.path.getmtime(ref_path)
 r = subprocess.run(command(ref_path), capture_output=True, text=True)
-record("output exists (no --overwrite)", r.returncode, None, reference, r.stderr.strip()[:90])
+record("output exists (no --overwrite)", r.returncode, None, reference,
+       ("existing file untouched; " if os.path.getmtime(ref_path) == before else "EXISTING FILE CHANGED; ") +
+       r.stderr.strip()[:70])
 out = os.path.join(tmp, "ring.h5")
 r = subprocess.run(command(out, "--ring-mb", "0.001"), capture_output=True, text=True)
 record("record larger than the ring (error mid-run)", r.returncode, out, reference, r.stderr.strip()[:90])

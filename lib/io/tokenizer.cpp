@@ -214,20 +214,29 @@ const char* kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
 std::string str_field(const json& j, const char* key, const std::string& where) {
-  DMI_CHECK(j.contains(key) && j[key].is_string(), "{}: missing string field '{}'", where, key);
-  return j[key].get<std::string>();
+  DMI_CHECK(j.is_object() && j.contains(key) && j.at(key).is_string(), "{}: missing string field '{}'", where, key);
+  return j.at(key).get<std::string>();
+}
+
+// The members of a Sequence (normalizers, pretokenizers, decoders,
+// processors): an array, nested at most kMaxSequenceDepth deep.
+constexpr int kMaxSequenceDepth = 16;
+const json& sequence_items(const json& j, const char* key, const std::string& where, int depth) {
+  DMI_CHECK(j.contains(key) && j.at(key).is_array(), "{}: Sequence without a '{}' array", where, key);
+  DMI_CHECK(depth < kMaxSequenceDepth, "{}: Sequences nested more than {} deep", where, kMaxSequenceDepth);
+  return j.at(key);
 }
 
 std::string pattern_of(const json& j, const std::string& where, bool* is_regex) {
   DMI_CHECK(j.contains("pattern") && j["pattern"].is_object(), "{}: missing 'pattern'", where);
-  const json& p = j["pattern"];
+  const json& p = j.at("pattern");
   if (p.contains("Regex")) {
     *is_regex = true;
-    return p["Regex"].get<std::string>();
+    return p.at("Regex").get<std::string>();
   }
   DMI_CHECK(p.contains("String"), "{}: pattern must be {{\"String\": ...}} or {{\"Regex\": ...}}", where);
   *is_regex = false;
-  return p["String"].get<std::string>();
+  return p.at("String").get<std::string>();
 }
 
 }  // namespace
@@ -262,10 +271,10 @@ struct Tokenizer::Impl {
   mutable std::unordered_map<std::string, std::vector<std::int32_t>> cache;
 
   void parse_model(const json& m);
-  void parse_normalizer(const json& j);
-  void parse_pre_tokenizer(const json& j);
-  void parse_decoder(const json& j);
-  void parse_post_processor(const json& j);
+  void parse_normalizer(const json& j, int depth = 0);
+  void parse_pre_tokenizer(const json& j, int depth = 0);
+  void parse_decoder(const json& j, int depth = 0);
+  void parse_post_processor(const json& j, int depth = 0);
 
   std::string normalize(std::string s) const;
   std::vector<std::string> pre_tokenize(const std::string& s, bool first_segment) const;
@@ -332,12 +341,12 @@ void Tokenizer::Impl::parse_model(const json& m) {
   }
 }
 
-void Tokenizer::Impl::parse_normalizer(const json& j) {
+void Tokenizer::Impl::parse_normalizer(const json& j, int depth) {
   if (j.is_null()) return;
   const std::string where = path + ": normalizer";
   std::string type = str_field(j, "type", where);
   if (type == "Sequence") {
-    for (const auto& n : j["normalizers"]) parse_normalizer(n);
+    for (const auto& n : sequence_items(j, "normalizers", where, depth)) parse_normalizer(n, depth + 1);
     return;
   }
   Normalizer n{};
@@ -366,12 +375,12 @@ void Tokenizer::Impl::parse_normalizer(const json& j) {
   normalizers.push_back(n);
 }
 
-void Tokenizer::Impl::parse_pre_tokenizer(const json& j) {
+void Tokenizer::Impl::parse_pre_tokenizer(const json& j, int depth) {
   if (j.is_null()) return;
   const std::string where = path + ": pre_tokenizer";
   std::string type = str_field(j, "type", where);
   if (type == "Sequence") {
-    for (const auto& p : j["pretokenizers"]) parse_pre_tokenizer(p);
+    for (const auto& p : sequence_items(j, "pretokenizers", where, depth)) parse_pre_tokenizer(p, depth + 1);
     return;
   }
   PreTokenizer p{};
@@ -393,7 +402,7 @@ void Tokenizer::Impl::parse_pre_tokenizer(const json& j) {
   } else if (type == "Metaspace") {
     p.kind = PreTokenizer::Metaspace;
     p.replacement = j.value("replacement", std::string("\xE2\x96\x81"));
-    if (j.contains("prepend_scheme")) p.prepend_scheme = j["prepend_scheme"].get<std::string>();
+    if (j.contains("prepend_scheme")) p.prepend_scheme = j.at("prepend_scheme").get<std::string>();
     else p.prepend_scheme = j.value("add_prefix_space", true) ? "always" : "never";
     p.split = j.value("split", true);
     p.regex = std::make_shared<Regex>(regex_escape(p.replacement), where);
@@ -408,12 +417,12 @@ void Tokenizer::Impl::parse_pre_tokenizer(const json& j) {
   pre_tokenizers.push_back(p);
 }
 
-void Tokenizer::Impl::parse_decoder(const json& j) {
+void Tokenizer::Impl::parse_decoder(const json& j, int depth) {
   if (j.is_null()) return;
   const std::string where = path + ": decoder";
   std::string type = str_field(j, "type", where);
   if (type == "Sequence") {
-    for (const auto& d : j["decoders"]) parse_decoder(d);
+    for (const auto& d : sequence_items(j, "decoders", where, depth)) parse_decoder(d, depth + 1);
     return;
   }
   Decoder d{};
@@ -434,7 +443,7 @@ void Tokenizer::Impl::parse_decoder(const json& j) {
   } else if (type == "Metaspace") {
     d.kind = Decoder::Metaspace;
     d.a = j.value("replacement", std::string("\xE2\x96\x81"));
-    std::string scheme = j.contains("prepend_scheme") ? j["prepend_scheme"].get<std::string>()
+    std::string scheme = j.contains("prepend_scheme") ? j.at("prepend_scheme").get<std::string>()
                                                       : (j.value("add_prefix_space", true) ? "always" : "never");
     d.prepend = scheme != "never";
   } else {
@@ -444,12 +453,12 @@ void Tokenizer::Impl::parse_decoder(const json& j) {
   decoders.push_back(d);
 }
 
-void Tokenizer::Impl::parse_post_processor(const json& j) {
+void Tokenizer::Impl::parse_post_processor(const json& j, int depth) {
   if (j.is_null()) return;
   const std::string where = path + ": post_processor";
   std::string type = str_field(j, "type", where);
   if (type == "Sequence") {
-    for (const auto& p : j["processors"]) parse_post_processor(p);
+    for (const auto& p : sequence_items(j, "processors", where, depth)) parse_post_processor(p, depth + 1);
     return;
   }
   if (type == "ByteLevel") return;  // offsets only; ids unchanged
@@ -463,10 +472,10 @@ void Tokenizer::Impl::parse_post_processor(const json& j) {
     } else {
       DMI_CHECK(piece.contains("SpecialToken"), "{}: template piece {} is neither Sequence nor SpecialToken", where,
                 piece.dump());
-      std::string name = piece["SpecialToken"]["id"].get<std::string>();
+      std::string name = piece.at("SpecialToken").at("id").get<std::string>();
       DMI_CHECK(specials.contains(name), "{}: special token '{}' is not in special_tokens", where, name);
       TemplatePiece t{false, {}};
-      for (const auto& id : specials[name]["ids"]) t.ids.push_back(id.get<std::int32_t>());
+      for (const auto& id : specials.at(name).at("ids")) t.ids.push_back(id.get<std::int32_t>());
       template_single.push_back(std::move(t));
     }
   }

@@ -15,6 +15,10 @@ namespace dmi::io {
 
 namespace {
 
+// A direction has d_model elements: far below this (4 MiB of float32). A
+// file claiming more is refused before anything is allocated or read.
+constexpr std::int64_t kMaxVectorElements = 1 << 20;
+
 // "direction.12" -> ("direction", 12); false for other names.
 bool parse_vector_name(const std::string& name, std::string& kind, int& layer) {
   const auto dot = name.find('.');
@@ -166,8 +170,10 @@ void read_gguf(SteeringVectors& v, const std::string& path) {
               "{}: tensor '{}' is not direction.N (a llama.cpp control vector holds only those)", path, t.name);
     DMI_CHECK(layer != 0, "{}: tensor 'direction.0' is invalid in a GGUF control vector (llama.cpp refuses it: block "
               "0's output is never steered)", path);
+    DMI_CHECK(t.shape[0] > 0 && t.shape[0] <= kMaxVectorElements, "{}: tensor '{}' has {} elements (a direction "
+              "has d_model, at most {})", path, t.name, static_cast<std::uint64_t>(t.shape[0]), kMaxVectorElements);
     const std::uint64_t bytes = static_cast<std::uint64_t>(t.shape[0]) * 4;
-    DMI_CHECK(t.shape[0] > 0 && data_start <= m.size() && t.offset <= m.size() - data_start &&
+    DMI_CHECK(data_start <= m.size() && t.offset <= m.size() - data_start &&
                   bytes <= m.size() - data_start - t.offset,
               "{}: tensor '{}' lies outside the file: truncated or corrupt", path, t.name);
     std::vector<float> buf(static_cast<std::size_t>(t.shape[0]));
@@ -195,16 +201,28 @@ void read_hdf5(SteeringVectors& v, const std::string& path) {
     std::vector<hsize_t> dims(std::max(rank, 0));
     H5Sget_simple_extent_dims(s, dims.data(), nullptr);
     hid_t t = H5Dget_type(d);
-    const bool is_float = H5Tget_class(t) == H5T_FLOAT;
+    // A float of 2 to 8 bytes (a corrupt type may claim any size, and the
+    // conversion buffer would be sized by it).
+    const bool is_float = H5Tget_class(t) == H5T_FLOAT && H5Tget_size(t) >= 2 && H5Tget_size(t) <= 8;
     H5Tclose(t);
     std::int64_t count = 1;
     std::vector<std::int64_t> shape;
     for (auto x : dims) {
-      count *= static_cast<std::int64_t>(x);
-      shape.push_back(static_cast<std::int64_t>(x));
+      count = x > static_cast<hsize_t>(kMaxVectorElements) ? kMaxVectorElements + 1
+                                                           : std::min(count * static_cast<std::int64_t>(x),
+                                                                      kMaxVectorElements + 1);
+      shape.push_back(static_cast<std::int64_t>(std::min<hsize_t>(x, kMaxVectorElements + 1)));
     }
-    std::vector<float> data(static_cast<std::size_t>(std::max<std::int64_t>(count, 0)));
-    const bool ok = is_float && count < (1 << 24) &&
+    if (rank < 0 || rank > 1 || count > kMaxVectorElements) {
+      H5Sclose(s);
+      H5Dclose(d);
+      error = fmt::format("{}: dataset '{}' is not a vector of at most {} elements (rank {}, {}{} elements)", path,
+                          name, kMaxVectorElements, rank, count > kMaxVectorElements ? "more than " : "",
+                          std::min(count, kMaxVectorElements));
+      break;
+    }
+    std::vector<float> data(static_cast<std::size_t>(count));
+    const bool ok = is_float &&
                     (count == 0 || H5Dread(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, data.data()) >= 0);
     H5Sclose(s);
     H5Dclose(d);

@@ -82,3 +82,22 @@ TEST_CASE("tokenizer: special tokens and bad input") {
   CHECK_THROWS_WITH_AS(dmi::io::Tokenizer::parse(R"({"model":{"type":"Unigram","vocab":[]}})", "t.json"),
                        doctest::Contains("type 'Unigram' is not supported"), dmi::Error);
 }
+
+// Found by fuzz_tokenizer_json (tests/data/fuzz/tokenizer_json/regression-*):
+// a Sequence without its array was read through a missing key (use after
+// free); nested Sequences are bounded.
+TEST_CASE("tokenizer: malformed Sequences are bad input") {
+  const std::string model = R"("model":{"type":"BPE","vocab":{"a":0},"merges":[]})";
+  for (const char* part : {R"("pre_tokenizer":{"type":"Sequence"})", R"("normalizer":{"type":"Sequence"})",
+                           R"("decoder":{"type":"Sequence","decoders":5})",
+                           R"("post_processor":{"type":"Sequence","processors":{}})"})
+    CHECK_THROWS_WITH_AS(dmi::io::Tokenizer::parse("{" + model + "," + part + "}", "t.json"),
+                         doctest::Contains("Sequence without a"), dmi::Error);
+  std::string nested = R"({"type":"Whitespace"})";
+  for (int i = 0; i < 40; ++i) nested = R"({"type":"Sequence","pretokenizers":[)" + nested + "]}";
+  CHECK_THROWS_WITH_AS(dmi::io::Tokenizer::parse("{" + model + R"(,"pre_tokenizer":)" + nested + "}", "t.json"),
+                       doctest::Contains("nested more than"), dmi::Error);
+  const std::string templ = R"("post_processor":{"type":"TemplateProcessing","single":[{"SpecialToken":{"id":"<s>"}}],
+                                 "special_tokens":{"<s>":{"id":"<s>"}}})";
+  CHECK_THROWS_AS(dmi::io::Tokenizer::parse("{" + model + "," + templ + "}", "t.json"), dmi::Error);
+}

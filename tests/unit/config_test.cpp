@@ -58,3 +58,17 @@ TEST_CASE("config: errors name the file and field") {
   CHECK_THROWS_WITH_AS(parse_config(R"({"architectures":["LlamaForCausalLM"],"hidden_size":48,"num_attention_heads":6,"num_key_value_heads":4})", "x"),
                        doctest::Contains("not a multiple"), dmi::Error);
 }
+
+// Found by fuzz_config (tests/data/fuzz/config/regression-*): fields of an
+// unexpected JSON type escaped as nlohmann exceptions ("internal error").
+TEST_CASE("config: fields of the wrong JSON type are bad input") {
+  const std::string llama = R"({"architectures":["LlamaForCausalLM"],)";
+  CHECK_THROWS_WITH_AS(parse_config(llama + R"("rope_scaling":{"rope_type":4.0}})", "x"),
+                       doctest::Contains("rope_scaling.rope_type' must be a string"), dmi::Error);
+  CHECK_THROWS_WITH_AS(parse_config(llama + R"("hidden_act":1})", "x"), doctest::Contains("'hidden_act' must be a string"),
+                       dmi::Error);
+  CHECK_THROWS_WITH_AS(parse_config(llama + R"("rope_scaling":{"rope_type":"llama3","factor":8,"low_freq_factor":1,)"
+                                            R"("high_freq_factor":4,"original_max_position_embeddings":1e300}})", "x"),
+                       doctest::Contains("out of range"), dmi::Error);
+  CHECK_THROWS_AS(parse_config(llama + R"("architectures":{}})", "x"), dmi::Error);
+}

@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh Debian 12 machine (as root): install
-# build and test dependencies, build, run every CTest test.
+# build and test dependencies, build, run every CTest test, then every
+# fuzz target over its seeds and briefly beyond (scripts/fuzz.sh: a separate
+# clang ASan/UBSan build in build-fuzz/).
+#
+#   scripts/test.sh                 all of it
+#   DMI_FUZZ_SECONDS=0 scripts/test.sh   CTest only
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup.sh" --with-tests
 "$root/scripts/build.sh"
-cd "$root/build"
-ctest --output-on-failure -j"$(nproc)" "$@"
+(cd "$root/build" && ctest --output-on-failure -j"$(nproc)" "$@")
+seconds="${DMI_FUZZ_SECONDS:-10}"
+if [ "$seconds" != 0 ]; then
+  "$root/scripts/fuzz.sh" --seconds "$seconds"
+fi

@@ -5,6 +5,7 @@
 #include <fnmatch.h>
 
 #include <algorithm>
+#include <limits>
 #include <set>
 
 #include "common/error.h"
@@ -15,13 +16,20 @@ namespace {
 
 constexpr int kSites = static_cast<int>(Site::kCount);
 
-std::size_t edit_distance(const std::string& a, const std::string& b) {
+// The edit distance of a and b, or limit + 1 as soon as it must exceed limit.
+std::size_t edit_distance(const std::string& a, const std::string& b,
+                          std::size_t limit = std::numeric_limits<std::size_t>::max() - 1) {
+  if ((a.size() > b.size() ? a.size() - b.size() : b.size() - a.size()) > limit) return limit + 1;
   std::vector<std::size_t> prev(b.size() + 1), cur(b.size() + 1);
   for (std::size_t j = 0; j <= b.size(); ++j) prev[j] = j;
   for (std::size_t i = 1; i <= a.size(); ++i) {
     cur[0] = i;
-    for (std::size_t j = 1; j <= b.size(); ++j)
+    std::size_t row_min = cur[0];
+    for (std::size_t j = 1; j <= b.size(); ++j) {
       cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      row_min = std::min(row_min, cur[j]);
+    }
+    if (row_min > limit) return limit + 1;  // rows never decrease below their minimum
     std::swap(prev, cur);
   }
   return prev[b.size()];
@@ -257,11 +265,21 @@ Selection Selection::parse(const std::string& spec, const SiteSpace& space) {
     DMI_CHECK(item.size() <= 96, "--hooks: unknown site '{}...' ({} bytes; site names are far shorter)",
               item.substr(0, 48), item.size());
     std::vector<std::pair<std::size_t, std::string>> cand;
+    std::vector<std::size_t> top;  // the three smallest distances so far
+    std::size_t limit = std::numeric_limits<std::size_t>::max() - 1;
+    auto consider = [&](const std::string& name) {
+      const std::size_t d = edit_distance(item, name, limit);
+      if (d > limit) return;  // worse than three names already found
+      cand.emplace_back(d, name);
+      top.insert(std::upper_bound(top.begin(), top.end(), d), d);
+      if (top.size() > 3) top.pop_back();
+      if (top.size() == 3) limit = top.back();
+    };
     for (const auto& [name, site, layer] : named)
-      if (space.has(site, layer)) cand.emplace_back(edit_distance(item, name), name);
+      if (space.has(site, layer)) consider(name);
     for (const auto& [s, site] : short_site_names())
-      if (space.has(site)) cand.emplace_back(edit_distance(item, s), s);
-    for (const auto& p : preset_names()) cand.emplace_back(edit_distance(item, p), p);
+      if (space.has(site)) consider(s);
+    for (const auto& p : preset_names()) consider(p);
     std::sort(cand.begin(), cand.end());
     std::vector<std::string> best;
     for (std::size_t k = 0; k < cand.size() && best.size() < 3; ++k) best.push_back(cand[k].second);

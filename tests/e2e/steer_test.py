@@ -19,6 +19,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import dmi_reference as ref  # noqa: E402
 from capture_util import reference_row, rel_err, rows_by_key  # noqa: E402
+from gguf_writer import gguf_control_vector  # noqa: E402
 
 bindir, models, case = sys.argv[1], sys.argv[2], sys.argv[3]
 DMI_RUN = os.path.join(bindir, "dmi-run")
@@ -64,28 +65,9 @@ def save_vectors(path, vectors, targets=None, meta=None):
 
 
 def write_gguf(path, vectors, alignment=32):
-    """An independent GGUF v3 writer, from the GGUF specification: header,
-    key/value metadata, tensor infos, aligned F32 data."""
-    def s(x):
-        b = x.encode()
-        return struct.pack("<Q", len(b)) + b
-    kv = [("general.architecture", 8, s("controlvector")), ("controlvector.model_hint", 8, s("test")),
-          ("controlvector.layer_count", 5, struct.pack("<i", len(vectors))),
-          ("general.alignment", 4, struct.pack("<I", alignment))]
-    out = b"GGUF" + struct.pack("<IQQ", 3, len(vectors), len(kv))
-    for k, t, v in kv:
-        out += s(k) + struct.pack("<I", t) + v
-    blobs, off = [], 0
-    for layer, v in sorted(vectors.items()):
-        v = np.asarray(v, np.float32)
-        out += s(f"direction.{layer}") + struct.pack("<I", 1) + struct.pack("<Q", v.size) + struct.pack("<IQ", 0, off)
-        blob = v.tobytes()
-        blob += b"\0" * ((alignment - len(blob) % alignment) % alignment)
-        blobs.append(blob)
-        off += len(blob)
-    out += b"\0" * ((alignment - len(out) % alignment) % alignment)
+    """A GGUF control vector from the independent writer (scripts/gguf_writer.py)."""
     with open(path, "wb") as f:
-        f.write(out + b"".join(blobs))
+        f.write(gguf_control_vector(vectors, alignment))
 
 
 def cfg_of(model):

@@ -21,6 +21,9 @@ namespace {
 // Token ids index a table: an id far beyond any real vocabulary (the largest
 // are ~260k) is a corrupt file, not a reason to allocate gigabytes.
 constexpr std::int64_t kMaxTokenId = 1 << 24;
+// Token ids are dense (0..n-1 in every released tokenizer); the id table is
+// sized by the largest id, so at most this many ids may be missing.
+constexpr std::int64_t kMaxIdGaps = 1 << 16;
 }  // namespace
 
 using nlohmann::json;
@@ -288,11 +291,18 @@ void Tokenizer::Impl::parse_model(const json& m) {
   std::string type = m.value("type", "BPE");
   DMI_CHECK(type == "BPE", "{}: type '{}' is not supported (supported: BPE)", where, type);
   DMI_CHECK(m.contains("vocab") && m["vocab"].is_object(), "{}.vocab is missing", where);
+  std::int64_t max_id = -1;
   for (auto it = m["vocab"].begin(); it != m["vocab"].end(); ++it) {
     DMI_CHECK(it.value().is_number_integer() && it.value().get<std::int64_t>() >= 0,
               "{}.vocab['{}'] is not a non-negative id", where, it.key());
     DMI_CHECK(it.value().get<std::int64_t>() < kMaxTokenId, "{}.vocab['{}'] has id {}: implausibly large (limit {})",
               where, it.key(), it.value().get<std::int64_t>(), kMaxTokenId);
+    max_id = std::max(max_id, it.value().get<std::int64_t>());
+  }
+  const auto entries = static_cast<std::int64_t>(m["vocab"].size());
+  DMI_CHECK(max_id < entries + kMaxIdGaps, "{}.vocab has ids up to {} for {} entries: too sparse (token ids run from "
+            "0 with at most {} missing)", where, max_id, entries, kMaxIdGaps);
+  for (auto it = m["vocab"].begin(); it != m["vocab"].end(); ++it) {
     auto id = it.value().get<std::int32_t>();
     vocab[it.key()] = id;
     if (static_cast<std::size_t>(id) >= id_to_token.size()) id_to_token.resize(id + 1);
@@ -745,6 +755,9 @@ Tokenizer Tokenizer::parse(const std::string& text, const std::string& path) {
                   "{}: added token '{}' has no id, a negative one, or one beyond {}", path, content, kMaxTokenId);
         Impl::Added t{content, a["id"].get<std::int32_t>(), a.value("special", false), a.value("lstrip", false),
                       a.value("rstrip", false)};
+        DMI_CHECK(t.id < static_cast<std::int64_t>(impl->id_to_token.size() + impl->added.size()) + kMaxIdGaps,
+                  "{}: added token '{}' has id {}, far beyond the vocabulary's {} ids: too sparse", path, content, t.id,
+                  impl->id_to_token.size());
         if (static_cast<std::size_t>(t.id) >= impl->id_to_token.size()) impl->id_to_token.resize(t.id + 1);
         impl->id_to_token[t.id] = t.content;
         impl->vocab[t.content] = t.id;

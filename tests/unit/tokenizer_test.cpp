@@ -100,4 +100,12 @@ TEST_CASE("tokenizer: malformed Sequences are bad input") {
   const std::string templ = R"("post_processor":{"type":"TemplateProcessing","single":[{"SpecialToken":{"id":"<s>"}}],
                                  "special_tokens":{"<s>":{"id":"<s>"}}})";
   CHECK_THROWS_AS(dmi::io::Tokenizer::parse("{" + model + "," + templ + "}", "t.json"), dmi::Error);
+  // Found by fuzz_tokenizer_json: one id near the limit sized the id table
+  // at 16M entries (seconds, 512 MB). Ids must be dense.
+  CHECK_THROWS_WITH_AS(dmi::io::Tokenizer::parse(R"({"model":{"type":"BPE","vocab":{"a":0,"b":16000000},"merges":[]}})",
+                                                 "t.json"),
+                       doctest::Contains("too sparse"), dmi::Error);
+  CHECK_THROWS_WITH_AS(dmi::io::Tokenizer::parse("{" + model + R"(,"added_tokens":[{"id":9000000,"content":"<x>"}]})",
+                                                 "t.json"),
+                       doctest::Contains("too sparse"), dmi::Error);
 }

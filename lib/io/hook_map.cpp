@@ -59,7 +59,7 @@ HookMap parse_hook_map(const std::string& text, const std::string& path) {
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse errors, and numbers too large for any type (out_of_range)
     DMI_FAIL("{}: not valid JSON ({})", path, e.what());
   }
   DMI_CHECK(j.is_object(), "{}: a hook map must be a JSON object", path);
@@ -88,10 +88,10 @@ HookMap parse_hook_map(const std::string& text, const std::string& path) {
     DMI_CHECK(!(h.contains("output") && h.contains("input")), "{}: give 'output' or 'input', not both", where);
     for (const char* key : {"output", "input"})
       if (h.contains(key)) {
-        DMI_CHECK(h[key].is_number_integer() && h[key].get<int>() >= 0, "{}: '{}' must be a non-negative integer",
-                  where, key);
+        DMI_CHECK(h[key].is_number_integer() && h[key].get<std::int64_t>() >= 0 && h[key].get<std::int64_t>() < 1024,
+                  "{}: '{}' must be an integer from 0 to 1023", where, key);
         e.input = std::string(key) == "input";
-        e.index = h[key];
+        e.index = static_cast<int>(h[key].get<std::int64_t>());
       }
     const std::size_t in_module = count_of(e.module, "{i}"), in_site = count_of(e.site, "{i}");
     DMI_CHECK(in_module <= 1 && in_module == in_site,

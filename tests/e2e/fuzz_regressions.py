@@ -49,7 +49,7 @@ failures, checked = [], 0
 for path in sorted(glob.glob(os.path.join(ROOT, "tests", "data", "fuzz", "*", "regression-*"))):
     target = os.path.basename(os.path.dirname(path))
     if path.endswith(".bin"):
-        continue  # a structure-aware input (h5_builder.h): meaningful to its fuzz target only (fuzz.sh --regress)
+        continue  # encoded for its fuzz target (a selector byte, or h5_builder.h input): fuzz.sh --regress replays it
     make = commands.get(target)
     if make is None:
         failures.append(f"{path}: no command for target '{target}' (add one here)")

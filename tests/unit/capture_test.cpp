@@ -127,6 +127,12 @@ TEST_CASE("hook maps: parsing and matching module paths") {
                        doctest::Contains("malformed component"), dmi::Error);
   CHECK_THROWS_WITH_AS(bad(R"({"format": "dmi-hook-map", "version": 1, "hooks": [{"module": "a.{i}", "site": "hook_embed"}]})"),
                        doctest::Contains("'{i}' must appear once"), dmi::Error);
+  // Found by fuzz_hooks: a number too large for any type is nlohmann's
+  // out_of_range, not a parse_error, and escaped ("internal error").
+  CHECK_THROWS_WITH_AS(bad(R"({"format": "dmi-hook-map", "version": -888888888888888888e8888})"),
+                       doctest::Contains("not valid JSON"), dmi::Error);
+  CHECK_THROWS_WITH_AS(bad(R"({"format": "dmi-hook-map", "version": 1, "hooks": [{"module": "a", "site": "b", "output": 4294967296}]})"),
+                       doctest::Contains("from 0 to 1023"), dmi::Error);
 }
 
 namespace {

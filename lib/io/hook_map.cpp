@@ -55,7 +55,9 @@ std::vector<HookMatch> HookMap::match(const std::string& module_path) const {
   return out;
 }
 
-HookMap parse_hook_map(const std::string& text, const std::string& path) {
+namespace {
+
+HookMap parse_checked(const std::string& text, const std::string& path) {
   json j;
   try {
     j = json::parse(text);
@@ -103,6 +105,16 @@ HookMap parse_hook_map(const std::string& text, const std::string& path) {
     m.entries.push_back(std::move(e));
   }
   return m;
+}
+
+}  // namespace
+
+HookMap parse_hook_map(const std::string& text, const std::string& path) {
+  try {
+    return parse_checked(text, path);
+  } catch (const json::exception& e) {  // a field of an unexpected JSON type ({"format": 2})
+    DMI_FAIL("{}: {}", path, e.what());
+  }
 }
 
 HookMap load_hook_map(const std::string& path) {

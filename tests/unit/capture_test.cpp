@@ -133,6 +133,7 @@ TEST_CASE("hook maps: parsing and matching module paths") {
                        doctest::Contains("not valid JSON"), dmi::Error);
   CHECK_THROWS_WITH_AS(bad(R"({"format": "dmi-hook-map", "version": 1, "hooks": [{"module": "a", "site": "b", "output": 4294967296}]})"),
                        doctest::Contains("from 0 to 1023"), dmi::Error);
+  CHECK_THROWS_AS(bad(R"({"format": 2})"), dmi::Error);  // value() of the wrong type: a json::type_error
 }
 
 namespace {

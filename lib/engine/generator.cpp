@@ -152,9 +152,11 @@ void Generator::run_batch(const std::vector<std::vector<std::int32_t>>& prompts,
       ++timings_.decode_tokens;
       nid[b][0] = tok;
       npos[b][0] = len[b] + step;
-      chosen_seq.push_back(static_cast<std::int32_t>(members[b]));
-      chosen_pos.push_back(static_cast<std::int32_t>(len[b] + step));
-      chosen_ids.push_back(tok);
+      if (opts_.on_tokens) {
+        chosen_seq.push_back(static_cast<std::int32_t>(members[b]));
+        chosen_pos.push_back(static_cast<std::int32_t>(len[b] + step));
+        chosen_ids.push_back(tok);
+      }
       const std::int64_t made = static_cast<std::int64_t>(r.output_ids.size());
       const char* why = nullptr;
       if (is_eos(tok)) why = "eos";

@@ -368,15 +368,18 @@ std::vector<std::pair<std::string, std::int64_t>> align_site_rows(hid_t file) {
     std::vector<hid_t> ds;
     for (const char* t : {"data", "seq", "pos", "ids"})
       if (H5Lexists(g, t, H5P_DEFAULT) > 0) ds.push_back(H5Dopen2(g, t, H5P_DEFAULT));
-    hsize_t rows = std::numeric_limits<hsize_t>::max();
-    for (hid_t d : ds) rows = std::min(rows, d >= 0 && !extent_of(d).empty() ? extent_of(d)[0] : 0);
-    if (ds.empty()) rows = 0;
-    for (hid_t d : ds) {
+    std::vector<std::vector<hsize_t>> dims(ds.size());
+    hsize_t rows = ds.empty() ? 0 : std::numeric_limits<hsize_t>::max();
+    for (std::size_t k = 0; k < ds.size(); ++k) {
+      if (ds[k] >= 0) dims[k] = extent_of(ds[k]);
+      rows = std::min<hsize_t>(rows, dims[k].empty() ? 0 : dims[k][0]);
+    }
+    for (std::size_t k = 0; k < ds.size(); ++k) {
+      const hid_t d = ds[k];
       if (d < 0) continue;
-      auto dims = extent_of(d);
-      if (!dims.empty() && dims[0] > rows) {
-        dims[0] = rows;
-        H5Dset_extent(d, dims.data());
+      if (!dims[k].empty() && dims[k][0] > rows) {
+        dims[k][0] = rows;
+        H5Dset_extent(d, dims[k].data());
       }
       H5Dclose(d);
     }
@@ -410,7 +413,6 @@ class Hdf5Sink final : public Sink {
   Hdf5Sink(const std::string& path, const RunInfo& info, const Hdf5Options& o)
       : path_(path), comp_(parse_compression(o.compression)), flush_every_(o.flush_every),
         prompt_ids_(info.prompt_ids) {
-    DMI_CHECK(o.flush_every > 0, "--flush-every must be positive (got {})", o.flush_every);
     H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);  // errors become dmi::Error below
     hid_t fapl = latest_fapl();
     file_ = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
@@ -454,7 +456,7 @@ class Hdf5Sink final : public Sink {
         streams_.push_back(nullptr);
         continue;
       }
-      site_stream_.push_back(i);
+      site_streams_.emplace_back(i, si.name);
       auto s = std::make_unique<Stream>();
       s->info = si;
       s->group = H5Gcreate2(sites_, si.name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
@@ -544,19 +546,10 @@ class Hdf5Sink final : public Sink {
     // when the data filled the disk.
     release_reserve();
     bool lost = false;
-    std::vector<Table*> tables;
-    for (auto& s : streams_)
-      if (s)
-        for (Table* t : s->tables()) tables.push_back(t);
-    if (token_log_)
-      for (Table* t : token_log_->tables()) tables.push_back(t);
-    for (Table* t : tables) {
+    for (const auto& [t, index] : all_tables()) {
       // After a failed write, the reserve goes to the small index tables
       // (so the data rows on disk stay addressable) and the metadata; the
       // data's unpublished rows are dropped.
-      const bool index = std::any_of(streams_.begin(), streams_.end(), [&](const auto& s) {
-        return s && (t == s->seq.get() || t == s->pos.get());
-      });
       if (lost || (write_failed_ && !index)) {
         t->discard();
         continue;
@@ -567,9 +560,6 @@ class Hdf5Sink final : public Sink {
         lost = true;
       }
     }
-    std::vector<std::string> site_names;
-    for (auto& s : streams_)
-      if (s) site_names.push_back(s->info.name);
     streams_.clear();
     token_log_.reset();
     if (sites_ >= 0) H5Gclose(sites_);
@@ -590,10 +580,9 @@ class Hdf5Sink final : public Sink {
     align_site_rows(file_);
     write_sequences(file_, f.sequences, path_);
     std::vector<std::int64_t> drops;
-    for (std::size_t i = 0, k = 0; i < site_stream_.size(); ++i) {
-      const std::size_t stream = site_stream_[i];
+    for (const auto& [stream, name] : site_streams_) {
       const std::uint64_t d = stream < f.dropped_per_stream.size() ? f.dropped_per_stream[stream] : 0;
-      hid_t g = H5Gopen2(file_, ("sites/" + site_names.at(k++)).c_str(), H5P_DEFAULT);
+      hid_t g = H5Gopen2(file_, ("sites/" + name).c_str(), H5P_DEFAULT);
       if (g >= 0) {
         set_attr_int(g, "records_dropped", static_cast<std::int64_t>(d));
         H5Gclose(g);
@@ -630,15 +619,23 @@ class Hdf5Sink final : public Sink {
     }
   }
 
+  // Every table of the sites and the token log, with whether it is a small
+  // index table (a site's seq or pos).
+  std::vector<std::pair<Table*, bool>> all_tables() const {
+    std::vector<std::pair<Table*, bool>> out;
+    for (const auto& s : streams_)
+      if (s)
+        for (Table* t : s->tables()) out.emplace_back(t, t == s->seq.get() || t == s->pos.get());
+    if (token_log_)
+      for (Table* t : token_log_->tables()) out.emplace_back(t, false);
+    return out;
+  }
+
   // Makes every row written so far durable against a kill of this process
   // and visible to SWMR readers: the staged rows, HDF5's metadata, and the
   // file's pages on disk.
   void flush() {
-    for (auto& s : streams_)
-      if (s)
-        for (Table* t : s->tables()) t->publish();
-    if (token_log_)
-      for (Table* t : token_log_->tables()) t->publish();
+    for (const auto& [t, index] : all_tables()) t->publish();
     if (H5Fflush(file_, H5F_SCOPE_LOCAL) < 0) throw WriteError();
     void* handle = nullptr;
     if (H5Fget_vfd_handle(file_, H5P_DEFAULT, &handle) >= 0 && handle) ::fdatasync(*static_cast<int*>(handle));
@@ -692,7 +689,7 @@ class Hdf5Sink final : public Sink {
   bool write_failed_ = false;
   hid_t file_ = -1, sites_ = -1;
   std::vector<std::unique_ptr<Stream>> streams_;  // by stream id; null for the token log
-  std::vector<std::size_t> site_stream_;          // stream id of each site, in site order
+  std::vector<std::pair<std::size_t, std::string>> site_streams_;  // (stream id, name) of each site, in order
   std::unique_ptr<TokenLog> token_log_;
   std::uint16_t token_stream_ = 0;
   std::chrono::steady_clock::time_point last_flush_;

@@ -441,7 +441,7 @@ int main(int argc, char** argv) {
                                 "(repeatable)")
                      ->allow_extra_args(false);
   auto* patch = iv->add_option("--patch", a.patch,
-                               "SRC.h5[,site=SITES][,pos=..][,src-seq=N][,src-pos=N]: replace activations with SRC's "
+                               "SRC.h5[,site=SITES][,heads=H][,pos=..][,src-seq=N][,src-pos=N]: replace activations with SRC's "
                                "captured ones (repeatable)")
                     ->allow_extra_args(false);
   auto* before = iv->add_flag("--capture-before-interventions", a.capture_before,

@@ -12,9 +12,13 @@
 namespace dmi::analysis {
 
 namespace {
-// Five anchors of matplotlib's viridis, interpolated linearly.
-void colour(double v, std::uint8_t* rgb) {
-  static const double k[5][3] = {{68, 1, 84}, {59, 82, 139}, {33, 145, 140}, {94, 201, 98}, {253, 231, 37}};
+// Five anchors of matplotlib's viridis (sequential) or coolwarm (diverging),
+// interpolated linearly.
+void colour(double v, Colormap map, std::uint8_t* rgb) {
+  static const double viridis[5][3] = {{68, 1, 84}, {59, 82, 139}, {33, 145, 140}, {94, 201, 98}, {253, 231, 37}};
+  static const double coolwarm[5][3] = {{59, 76, 192}, {141, 176, 254}, {221, 221, 221}, {244, 154, 123}, {180, 4, 38}};
+  const auto& k = map == Colormap::sequential ? viridis : coolwarm;
+  if (map == Colormap::diverging) v = (v + 1.0) / 2.0;
   if (!std::isfinite(v)) {
     rgb[0] = rgb[1] = rgb[2] = 0;
     return;
@@ -26,7 +30,7 @@ void colour(double v, std::uint8_t* rgb) {
 }
 }  // namespace
 
-void write_heatmap_png(const std::string& path, const at::Tensor& m, int cell) {
+void write_heatmap_png(const std::string& path, const at::Tensor& m, int cell, Colormap map) {
   at::Tensor x = m.to(at::kFloat).contiguous();
   const int rows = static_cast<int>(x.size(0)), cols = static_cast<int>(x.size(1));
   const int w = cols * cell, h = rows * cell;
@@ -48,7 +52,7 @@ void write_heatmap_png(const std::string& path, const at::Tensor& m, int cell) {
   for (int r = 0; r < rows; ++r) {
     for (int c = 0; c < cols; ++c) {
       std::uint8_t rgb[3];
-      colour(p[r * cols + c], rgb);
+      colour(p[r * cols + c], map, rgb);
       for (int k = 0; k < cell; ++k) std::copy(rgb, rgb + 3, &line[(c * cell + k) * 3]);
     }
     for (int k = 0; k < cell; ++k) png_write_row(png, line.data());

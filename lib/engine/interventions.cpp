@@ -230,6 +230,29 @@ Intervention resolve_steer(const InterventionRequest& r, const ModelView& m,
   return iv;
 }
 
+// heads=H for sites with a head axis; errors name the flag and the site.
+std::vector<std::int64_t> parse_heads(const std::string& value, const std::vector<std::pair<Site, int>>& sites,
+                                      const ModelView& m, const std::string& flag) {
+  std::int64_t most = 0;
+  for (auto [s, l] : sites) {
+    const bool heads_site = s == Site::q || s == Site::k || s == Site::v || s == Site::rot_q || s == Site::rot_k ||
+                            s == Site::z || s == Site::pattern || s == Site::attn_scores ||
+                            s == Site::q_normalized || s == Site::k_normalized;
+    DMI_CHECK(heads_site, "{}: heads= applies to z, q, k, v, rot_q, rot_k and pattern, not {}", flag,
+              hooks::site_name(s, l));
+    most = std::max(most, hooks::site_row_shape(s, m.config, 1)[0]);
+  }
+  std::vector<std::int64_t> heads;
+  for (auto h : parse_index_set(value, most, "heads", flag)) heads.push_back(h);
+  for (auto [s, l] : sites) {
+    const auto shape = hooks::site_row_shape(s, m.config, 1);
+    for (auto h : heads)
+      DMI_CHECK(h < shape[0], "{}: head {} is out of range for {} ({} heads{})", flag, h, hooks::site_name(s, l),
+                shape[0], shape[0] == m.config.num_kv_heads && s != Site::z ? ", key/value heads under GQA" : "");
+  }
+  return heads;
+}
+
 Intervention resolve_ablate(const InterventionRequest& r, const ModelView& m, json& rec) {
   const std::string flag = "--ablate " + r.spec;
   std::size_t at = std::string::npos;
@@ -248,25 +271,7 @@ Intervention resolve_ablate(const InterventionRequest& r, const ModelView& m, js
   DMI_CHECK(!iv.sites.empty(), "{}: {} selects no site", flag, items[0]);
   iv.positions = hooks::PositionSpec::parse(kv.count("pos") ? kv["pos"] : "all");
   DMI_CHECK(iv.positions.kind != hooks::PositionSpec::Kind::after, "{}: pos=after: applies to --steer only", flag);
-  if (kv.count("heads")) {
-    std::int64_t most = 0;
-    for (auto [s, l] : iv.sites) {
-      const auto shape = hooks::site_row_shape(s, m.config, 1);
-      const bool heads_site = s == Site::q || s == Site::k || s == Site::v || s == Site::rot_q || s == Site::rot_k ||
-                              s == Site::z || s == Site::pattern || s == Site::attn_scores ||
-                              s == Site::q_normalized || s == Site::k_normalized;
-      DMI_CHECK(heads_site, "{}: heads= applies to z, q, k, v, rot_q, rot_k and pattern, not {}", flag,
-                hooks::site_name(s, l));
-      most = std::max(most, shape[0]);
-    }
-    for (auto h : parse_index_set(kv["heads"], most, "heads", flag)) iv.heads.push_back(h);
-    for (auto [s, l] : iv.sites) {
-      const auto shape = hooks::site_row_shape(s, m.config, 1);
-      for (auto h : iv.heads)
-        DMI_CHECK(h < shape[0], "{}: head {} is out of range for {} ({} heads{})", flag, h, hooks::site_name(s, l),
-                  shape[0], shape[0] == m.config.num_kv_heads && s != Site::z ? ", key/value heads under GQA" : "");
-    }
-  }
+  if (kv.count("heads")) iv.heads = parse_heads(kv["heads"], iv.sites, m, flag);
   rec = json::object();
   if (method == "zero") {
     iv.kind = Intervention::Kind::zero;
@@ -338,7 +343,7 @@ Intervention resolve_patch(const InterventionRequest& r, const ModelView& m,
                            const std::vector<std::vector<std::int32_t>>& prompts, json& rec) {
   const std::string flag = "--patch " + r.spec;
   const auto items = split_spec(r.spec);
-  auto kv = key_values(items, "--patch", r.spec, {"site", "pos", "src-seq", "src-pos"});
+  auto kv = key_values(items, "--patch", r.spec, {"site", "pos", "src-seq", "src-pos", "heads"});
   const std::string path = items[0];
   auto ref = open_ref(path, m, flag);
   Intervention iv;
@@ -355,6 +360,7 @@ Intervention resolve_patch(const InterventionRequest& r, const ModelView& m,
     iv.sites = {{s, l}};
   }
   for (auto [s, l] : iv.sites) ref->site(s, l, m, flag);
+  if (kv.count("heads")) iv.heads = parse_heads(kv["heads"], iv.sites, m, flag);
   iv.positions = hooks::PositionSpec::parse(kv.count("pos") ? kv["pos"] : "all");
   DMI_CHECK(iv.positions.kind != hooks::PositionSpec::Kind::after, "{}: pos=after: applies to --steer only", flag);
   auto number = [&](const std::string& k) -> std::optional<std::int64_t> {

@@ -5,7 +5,7 @@
 //
 //   --steer FILE[,scale=A][,layers=L][,pos=P][,mode=add|normadd|set|ablate][,site=S][,target=C]
 //   --ablate SITE[,heads=H][,pos=P]=zero|mean:REF.h5|posmean:REF.h5|resample:REF.h5[:SEQ]
-//   --patch SRC.h5[,site=S][,pos=P][,src-seq=N][,src-pos=N]
+//   --patch SRC.h5[,site=S][,heads=H][,pos=P][,src-seq=N][,src-pos=N]
 //
 // Values may contain commas (pos=1,4,9; layers=0-3,10; heads=0,2): an item
 // without '=' continues the previous one.

@@ -213,11 +213,12 @@ int main(int argc, char** argv) {
   app.footer(
       "Examples:\n"
       "  dmi-patch --clean clean.txt --corrupt corrupt.txt --answer ' Mary' --wrong ' John' -o ioi.h5\n"
-      "  dmi-patch --clean c.txt --corrupt x.txt --answer-id 42 --wrong-id 7 --sites resid_pre,z --png plots/\n"
+      "  dmi-patch --clean c.txt --corrupt x.txt --answer-id 42 --wrong-id 7 --sites z,pattern --png plots/\n"
       "  dmi-patch --clean c.jsonl --corrupt x.jsonl --metric kl --direction noise -o noise.h5 --json\n"
       "\nThe prompt files are dmi-run's formats (one prompt per line, or JSONL with \"text\" or \"ids\"), paired\n"
       "by line; paired prompts must have the same number of tokens, and so must every pair. The output\n"
-      "holds /patch/<site>/raw and /patch/<site>/norm [layers, positions] ([layers, heads] for z); see\n"
+      "holds /patch/<site>/raw and /patch/<site>/norm [layers, positions] ([layers, heads] for z and\n"
+      "pattern); see\n"
       "docs/patching.md.\n"
       "\nExit status: 0 ok, 2 bad input (one line on stderr), 130 interrupted (143 SIGTERM; nothing written),\n"
       "1 internal error.");
@@ -235,7 +236,7 @@ int main(int argc, char** argv) {
   answer->excludes(answer_id);
   wrong->excludes(wrong_id);
   app.add_option("--sites", a.sites, "sites to sweep: resid_pre, attn_out, mlp_out (layer x position), "
-                 "z (layer x head)")->capture_default_str();
+                 "z, pattern (layer x head)")->capture_default_str();
   app.add_option("--direction", a.direction, "denoise: clean activations into the corrupted run; noise: the "
                  "reverse")->capture_default_str()->check(CLI::IsMember({"denoise", "noise"}));
   app.add_option("--metric", a.metric, "logit-diff (answer - wrong), logprob, prob (of the answer), kl "

@@ -47,7 +47,8 @@ const char* patch_metric_name(PatchMetric m) {
 
 namespace {
 const std::pair<const char*, Site> kPatchSites[] = {
-    {"resid_pre", Site::resid_pre}, {"attn_out", Site::attn_out}, {"mlp_out", Site::mlp_out}, {"z", Site::z}};
+    {"resid_pre", Site::resid_pre}, {"attn_out", Site::attn_out}, {"mlp_out", Site::mlp_out}, {"z", Site::z},
+    {"pattern", Site::pattern}};
 }  // namespace
 
 std::vector<Site> parse_patch_sites(const std::string& list) {
@@ -65,10 +66,10 @@ std::vector<Site> parse_patch_sites(const std::string& list) {
         if (std::find(out.begin(), out.end(), site) == out.end()) out.push_back(site);
         found = true;
       }
-    DMI_CHECK(found, "--sites: '{}' is not a site dmi-patch sweeps (resid_pre, attn_out, mlp_out, z)",
+    DMI_CHECK(found, "--sites: '{}' is not a site dmi-patch sweeps (resid_pre, attn_out, mlp_out, z, pattern)",
               item.size() > 64 ? item.substr(0, 64) + "..." : item);
   }
-  DMI_CHECK(!out.empty(), "--sites: no site given (resid_pre, attn_out, mlp_out, z)");
+  DMI_CHECK(!out.empty(), "--sites: no site given (resid_pre, attn_out, mlp_out, z, pattern)");
   return out;
 }
 
@@ -78,7 +79,7 @@ std::string patch_site_short_name(Site s) {
   return hooks::site_suffix(s);
 }
 
-bool patch_site_per_head(Site s) { return s == Site::z; }
+bool patch_site_per_head(Site s) { return s == Site::z || s == Site::pattern; }
 
 double patch_metric(PatchMetric m, const at::Tensor& logits, std::int32_t answer, std::int32_t wrong,
                     const at::Tensor& clean_logp) {
@@ -100,7 +101,7 @@ double patch_metric(PatchMetric m, const at::Tensor& logits, std::int32_t answer
 namespace {
 
 // Keeps batch row 0 of every site the sweep patches, as float32 (the values
-// a capture of that run would hold).
+// a capture of that run would hold): [T, ...], or [H, T, T] for pattern.
 class SiteRecorder final : public hooks::Observer {
  public:
   explicit SiteRecorder(const std::vector<Site>& sites) : sites_(sites) {}
@@ -257,7 +258,9 @@ PatchSweepResult patch_sweep(model::CausalLM& model, const std::vector<PatchPair
       }
       iv.only_seqs = std::set<std::int32_t>{static_cast<std::int32_t>(b)};
       const at::Tensor src = source[job.pair].rows.at({site, job.cell.layer});
-      iv.value = [src](Site, int, std::int32_t, std::int64_t p) { return src[p]; };
+      // A row by position: [d_model] or [H, D]; a pattern row [H, T] (keys by position).
+      if (site == Site::pattern) iv.value = [src](Site, int, std::int32_t, std::int64_t p) { return src.select(1, p); };
+      else iv.value = [src](Site, int, std::int32_t, std::int64_t p) { return src[p]; };
       list.push_back(std::move(iv));
     }
     hooks::Intervener intervener(std::move(list), std::vector<std::int64_t>(static_cast<std::size_t>(B), T));

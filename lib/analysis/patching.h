@@ -35,10 +35,10 @@ const char* patch_direction_name(PatchDirection d);
 const char* patch_metric_name(PatchMetric m);
 
 // The sites a sweep patches, by short name: resid_pre, attn_out, mlp_out
-// (one cell per layer and position) and z (one per layer and head, every
-// position). Throws dmi::Error naming the item for anything else.
+// (one cell per layer and position) and z, pattern (one per layer and head,
+// every position). Throws dmi::Error naming the item for anything else.
 std::vector<hooks::Site> parse_patch_sites(const std::string& list);
-// "resid_pre", "attn_out", "mlp_out", "z": the name under /patch/ in the file.
+// "resid_pre", "attn_out", "mlp_out", "z", "pattern": the name under /patch/ in the file.
 std::string patch_site_short_name(hooks::Site s);
 // Whether a site's cells are (layer, head) rather than (layer, position).
 bool patch_site_per_head(hooks::Site s);

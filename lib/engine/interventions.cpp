@@ -115,9 +115,12 @@ struct RefFile {
     if (it != sites.end()) return it->second;
     DMI_CHECK(file->has_site(name), "{}: {} has no site {}", flag, file->path(), name);
     const auto& e = file->site(name);
-    DMI_CHECK(e.layout == "dense", "{}: {} in {} has the {} layout; only dense sites can be patched or "
-              "mean/resample-ablated", flag, name, file->path(), e.layout);
-    const auto want = hooks::site_row_shape(s, m.config, 1);
+    // Attention rows (pattern, attn_scores; --patch only) are [heads, width]
+    // of any width: the intervention checks each row covers its position.
+    const bool attention = e.layout == "attention" && (s == Site::pattern || s == Site::attn_scores);
+    DMI_CHECK(e.layout == "dense" || attention, "{}: {} in {} has the {} layout; only dense and attention sites can "
+              "be patched or mean/resample-ablated", flag, name, file->path(), e.layout);
+    const auto want = hooks::site_row_shape(s, m.config, attention && !e.row_shape.empty() ? e.row_shape.back() : 1);
     DMI_CHECK(e.row_shape == want, "{}: {} in {} has rows of shape [{}], this model's are [{}]", flag, name,
               file->path(), fmt::join(e.row_shape, ", "), fmt::join(want, ", "));
     RefSite r;

@@ -1,8 +1,10 @@
 #include "hooks/intervene.h"
 
 #include <ATen/ATen.h>
+#include <fmt/ranges.h>
 
 #include <chrono>
+#include <limits>
 
 #include "common/error.h"
 
@@ -211,17 +213,29 @@ at::Tensor Intervener::apply(const Intervention& iv, std::size_t i, Site site, i
   }
   if (iv.kind == Intervention::Kind::zero) return at::where(sel, at::zeros({}, t.options()), t);
   // replace: the rows from value(), token by token.
-  DMI_CHECK(!attention, "{}: {} has the attention layout; only zero ablation applies there", iv.label,
-            site_name(site, layer));
-  const std::int64_t B = t.size(0), T = t.size(1);
   at::Tensor r = t.clone();
   auto pa = info.positions.accessor<std::int64_t, 2>();
   auto va = info.valid.accessor<bool, 2>();
   const bool* mp = m.defined() ? m.data_ptr<bool>() : nullptr;
+  const std::int64_t B = t.size(0), T = info.positions.size(1);
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t tt = 0; tt < T; ++tt) {
       if (!va[b][tt] || (mp && !mp[b * T + tt])) continue;
-      r[b][tt].copy_(iv.value(site, layer, info.seq[b], pa[b][tt]).view(t[b][tt].sizes()));
+      const std::int64_t p = pa[b][tt];
+      const at::Tensor v = iv.value(site, layer, info.seq[b], p);
+      if (!attention) {
+        r[b][tt].copy_(v.view(t[b][tt].sizes()));
+        continue;
+      }
+      // Attention rows [H, W] are indexed by key position; the live row
+      // [H, L] by cache column, which is position + left padding.
+      const std::int64_t H = t.size(1), L = t.size(3), pad = info.start + tt - p;
+      DMI_CHECK(v.dim() == 2 && v.size(0) == H && v.size(1) > p, "{}: the row for {} at position {} has shape [{}], "
+                "want [{}, at least {}]", iv.label, site_name(site, layer), p, fmt::join(v.sizes(), ", "), H, p + 1);
+      at::Tensor dst = r[b].select(1, tt);
+      dst.fill_(site == Site::attn_scores ? -std::numeric_limits<float>::infinity() : 0.0);
+      const std::int64_t n = std::min(L - pad, v.size(1));
+      dst.narrow(1, pad, n).copy_(v.narrow(1, 0, n));
     }
   if (iv.heads.empty() || !head_site(site)) return r;
   return at::where(sel, r, t);

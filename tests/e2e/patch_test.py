@@ -28,7 +28,9 @@ DMI_RUN = os.path.join(bindir, "dmi-run")
 DMI_PATCH = os.path.join(bindir, "dmi-patch")
 MODEL = os.path.join(models, "qwen3-untied-f32")
 tmp = tempfile.mkdtemp(prefix="dmi-patch-")
-SITES = {"resid_pre": "hook_resid_pre", "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out", "z": "attn.hook_z"}
+SITES = {"resid_pre": "hook_resid_pre", "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out", "z": "attn.hook_z",
+         "pattern": "attn.hook_pattern"}
+PER_HEAD = ("z", "pattern")
 
 
 def fail(msg):
@@ -116,12 +118,12 @@ class Reference:
             mc += metric(metric_name, clean_logits, answer, wrong, clean_logits) / len(pairs)
             mx += metric(metric_name, corrupt_logits, answer, wrong, clean_logits) / len(pairs)
             for s in sites:
-                cols = H if s == "z" else len(clean)
+                cols = H if s in PER_HEAD else len(clean)
                 g = raw.setdefault(s, np.zeros((L, cols)))
                 for layer in range(L):
                     name = f"blocks.{layer}.{SITES[s]}"
                     for c in range(cols):
-                        p = (name, rows[name], None, c) if s == "z" else (name, rows[name], c, None)
+                        p = (name, rows[name], None, c) if s in PER_HEAD else (name, rows[name], c, None)
                         g[layer, c] += metric(metric_name, self.run(base_toks, patch=p), answer, wrong,
                                               clean_logits) / len(pairs)
         return raw, mc, mx
@@ -133,7 +135,7 @@ def case_reference():
     pairs = [("The cat sat", "The dog sat"), ("One red hat", "One big hat")]
     r = Reference(MODEL)
     answer, wrong = ids("c")[0], ids("d")[0]
-    sites = ["resid_pre", "attn_out", "mlp_out", "z"]
+    sites = ["resid_pre", "attn_out", "mlp_out", "z", "pattern"]
     for direction, metric_name in (("denoise", "logit-diff"), ("noise", "logprob"), ("denoise", "prob"),
                                    ("denoise", "kl")):
         out = f"ref-{direction}-{metric_name}.h5"
@@ -162,7 +164,7 @@ def case_exact():
     KV-prefix reuse changes no bit of the result."""
     clean, corrupt = "The cat sat", "The dog sat"
     answer, wrong = ids("c")[0], ids("d")[0]
-    common = ["--sites", "resid_pre,attn_out,mlp_out,z", "--answer-id", str(answer), "--wrong-id", str(wrong)]
+    common = ["--sites", "resid_pre,attn_out,mlp_out,z,pattern", "--answer-id", str(answer), "--wrong-id", str(wrong)]
     patch([clean], [corrupt], "reuse.h5", *common, "--batch-size", "3")
     patch([clean], [corrupt], "naive.h5", *common, "--no-prefix-reuse", "--batch-size", "7")
     got, mc, mx = grids(os.path.join(tmp, "reuse.h5"))
@@ -172,7 +174,7 @@ def case_exact():
             fail(f"{s}: prefix reuse changed the result: max diff {np.abs(got[s][0] - naive[s][0]).max()}")
     src = os.path.join(tmp, "src.h5")
     run(DMI_RUN, "--model", MODEL, "--prompt-ids", ",".join(map(str, ids(clean))), "-n", "1",
-        "--hooks", "resid_pre,attn_out,mlp_out,z,logits", "-o", src, "-q")
+        "--hooks", "resid_pre,attn_out,mlp_out,z,pattern,logits", "-o", src, "-q")
     base = ",".join(map(str, ids(corrupt)))
     T = len(ids(clean))
 
@@ -195,13 +197,23 @@ def case_exact():
                 if got[s][0][layer, p] != want:
                     fail(f"{s} layer {layer} pos {p}: dmi-patch {got[s][0][layer, p]!r}, dmi-run --patch {want!r}")
                 checked += 1
-    for layer in range(2):
-        for h in range(4):
-            want = single("--patch", f"{src},site=blocks.{layer}.attn.hook_z,heads={h}")
-            if got["z"][0][layer, h] != want:
-                fail(f"z layer {layer} head {h}: dmi-patch {got['z'][0][layer, h]!r}, dmi-run --patch {want!r}")
-            checked += 1
-    print(f"{checked} cells equal single dmi-run --patch runs exactly; prefix reuse bit-identical to full reruns")
+    for s in PER_HEAD:
+        for layer in range(2):
+            for h in range(4):
+                want = single("--patch", f"{src},site=blocks.{layer}.{SITES[s]},heads={h}")
+                if got[s][0][layer, h] != want:
+                    fail(f"{s} layer {layer} head {h}: dmi-patch {got[s][0][layer, h]!r}, dmi-run --patch {want!r}")
+                checked += 1
+    # The base prompt left-padded in a batch: pattern rows are matched by key
+    # position, so the cell is unchanged.
+    longer = ",".join(map(str, ids("A longer prompt here")))
+    want = single("--patch", f"{src},site=blocks.1.attn.hook_pattern,heads=2,src-seq=0,pos=0:{T}")
+    got_padded = single("--patch", f"{src},site=blocks.1.attn.hook_pattern,heads=2,src-seq=0,pos=0:{T}",
+                        "--prompt-ids", longer, "-b", "2")
+    if got_padded != want or want != got["pattern"][0][1, 2]:
+        fail(f"pattern patch with left padding: {got_padded!r}, unpadded {want!r}, dmi-patch {got['pattern'][0][1, 2]!r}")
+    print(f"{checked} cells equal single dmi-run --patch runs exactly (a pattern patch also when left-padded); "
+          "prefix reuse bit-identical to full reruns")
 
 
 def case_onehot():
@@ -306,7 +318,7 @@ def case_bad_input():
     cases = [
         (["--clean", c, "--corrupt", x], "pair 2"),
         (["--clean", c, "--corrupt", one_x], "paired by line"),
-        (["--clean", one_c, "--corrupt", one_x, "--sites", "resid_post"], "resid_post"),
+        (["--clean", one_c, "--corrupt", one_x, "--sites", "resid_pre,resid_post"], "resid_post"),
         (["--clean", one_c, "--corrupt", os.path.join(tmp, "missing.txt")], "missing.txt"),
         (["--clean", one_c, "--corrupt", one_x, "--batch-size", "0"], "at least 1"),
         (["--clean", one_c, "--corrupt", one_x, "--metric", "accuracy"], "accuracy"),

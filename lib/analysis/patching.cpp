@@ -208,7 +208,7 @@ PatchSweepResult patch_sweep(model::CausalLM& model, const std::vector<PatchPair
     for (int l = 0; l < n_layers; ++l)
       for (std::int64_t c = 0; c < cols; ++c) by_start[per_head || !opts.reuse_prefix ? 0 : c].push_back({g, l, c});
   }
-  // (start, cell, pair) in run order.
+  // (start, cell, pair) in run order: by start column.
   struct Job {
     std::int64_t start;
     Cell cell;
@@ -225,11 +225,11 @@ PatchSweepResult patch_sweep(model::CausalLM& model, const std::vector<PatchPair
   std::size_t done = 0;
   while (done < jobs.size()) {
     if (opts.stop && opts.stop->load()) DMI_FAIL("interrupted");
-    // A batch: up to batch_size jobs with the same start column.
+    // A batch: the next batch_size jobs (in order of start column); all its
+    // rows start at the first one's column, the smallest, so rows patched
+    // later recompute a few more positions instead of leaving rows empty.
     const std::int64_t start = jobs[done].start;
-    std::size_t end = done;
-    while (end < jobs.size() && jobs[end].start == start && end - done < static_cast<std::size_t>(opts.batch_size))
-      ++end;
+    const std::size_t end = std::min(jobs.size(), done + static_cast<std::size_t>(opts.batch_size));
     const std::int64_t B = static_cast<std::int64_t>(end - done), Tc = T - start;
 
     model::KVCache cache = model.new_cache(B, T);

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole CTest suite under AddressSanitizer + UndefinedBehaviorSanitizer,
-# in build-asan/ (a separate build tree; -DDMI_SANITIZE=ON).
+# in build-asan/ (a separate build tree; -DDMI_SANITIZE=ON). scripts/test.sh
+# (CI) runs it last.
 #
 #   scripts/sanitize.sh            build, then run every test
 #   scripts/sanitize.sh -R steer   extra arguments go to ctest

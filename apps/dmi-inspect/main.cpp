@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "analysis/attn_tracker.h"
 #include "analysis/follow.h"
 #include "analysis/png.h"
 #include "analysis/stats.h"
@@ -446,6 +447,97 @@ int cmd_logits(const CaptureFile& f, const Options& o) {
   return 0;
 }
 
+struct TrackerArgs {
+  std::string heads, inst, data, seqs, benign, attack, output;
+  double threshold = 0.5, k = 1.0;
+};
+
+// "0,2,5" -> sequence indexes.
+std::vector<std::size_t> parse_seq_list(const std::string& s) {
+  std::vector<std::size_t> out;
+  std::size_t a = 0;
+  while (a < s.size()) {
+    std::size_t b = s.find(',', a);
+    if (b == std::string::npos) b = s.size();
+    const std::string item = s.substr(a, b - a);
+    DMI_CHECK(!item.empty() && item.size() < 10 && item.find_first_not_of("0123456789") == std::string::npos,
+              "--seq {}: '{}' is not a sequence index", s, item);
+    out.push_back(std::stoul(item));
+    a = b + 1;
+  }
+  return out;
+}
+
+int cmd_attn_tracker(const CaptureFile& f, const Options& o, const TrackerArgs& t) {
+  dmi::analysis::TrackerOptions to;
+  to.heads = dmi::analysis::read_tracker_heads(t.heads);
+  to.inst = dmi::analysis::TokenSpan::parse(t.inst, "--inst");
+  to.data = dmi::analysis::TokenSpan::parse(t.data, "--data");
+  to.threshold = t.threshold;
+  auto tok = load_tokenizer(f, o);
+  const auto r = dmi::analysis::attention_tracker(f, tok.get(), to, parse_seq_list(t.seqs));
+  std::size_t flagged = 0;
+  for (const auto& s : r) flagged += s.flagged;
+  if (o.json) {
+    json heads = json::array();
+    for (const auto& h : to.heads) heads.push_back({h.layer, h.head});
+    json seqs = json::array();
+    for (const auto& s : r)
+      seqs.push_back({{"seq", s.seq}, {"query_pos", s.query_pos}, {"inst", {s.inst.first, s.inst.second}},
+                      {"data", {s.data.first, s.data.second}}, {"a", s.a}, {"score", s.score},
+                      {"flagged", s.flagged}});
+    std::cout << json{{"file", f.path()}, {"heads", heads}, {"threshold", to.threshold}, {"flagged", flagged},
+                      {"sequences", seqs}}.dump(2)
+              << "\n";
+    return 0;
+  }
+  fmt::print("{}: {} heads, threshold {}; {} of {} sequences flagged\n", f.path(), to.heads.size(), to.threshold,
+             flagged, r.size());
+  for (const auto& s : r)
+    fmt::print("seq {:>4}  inst {}:{}  data {}:{}  focus {:.6f}  {}\n", s.seq, s.inst.first, s.inst.second,
+               s.data.first, s.data.second, s.score, s.flagged ? "FLAGGED (instruction displaced)" : "ok");
+  return 0;
+}
+
+int cmd_attn_tracker_select(const Options& o, const TrackerArgs& t) {
+  auto benign = CaptureFile::open(t.benign);
+  auto attack = CaptureFile::open(t.attack);
+  auto tok = load_tokenizer(*benign, o);
+  const auto inst = dmi::analysis::TokenSpan::parse(t.inst, "--inst");
+  const auto data = dmi::analysis::TokenSpan::parse(t.data, "--data");
+  const auto sep = dmi::analysis::separate_heads(*benign, *attack, tok.get(), inst, data);
+  const auto chosen = dmi::analysis::select_heads(sep, t.k);
+  if (!t.output.empty()) dmi::analysis::write_tracker_heads(t.output, chosen);
+  auto list = [](const std::vector<dmi::analysis::TrackerHead>& hs) {
+    json j = json::array();
+    for (const auto& h : hs) j.push_back({h.layer, h.head});
+    return j;
+  };
+  if (o.json) {
+    json per_k = json::array();
+    for (int k = 0; k <= 5; ++k) per_k.push_back({{"k", k}, {"heads", list(dmi::analysis::select_heads(sep, k))}});
+    json heads = json::array();
+    for (const auto& h : sep)
+      heads.push_back({{"layer", h.head.layer}, {"head", h.head.head}, {"mean_benign", h.mean_benign},
+                       {"std_benign", h.std_benign}, {"mean_attack", h.mean_attack}, {"std_attack", h.std_attack},
+                       {"diff", h.diff}});
+    std::cout << json{{"benign", t.benign}, {"attack", t.attack}, {"k", t.k}, {"selected", list(chosen)},
+                      {"output", t.output}, {"by_k", per_k}, {"heads", heads}}.dump(2)
+              << "\n";
+    return 0;
+  }
+  fmt::print("{} benign and {} attack sequences; heads with mean_benign - mean_attack > k (std_benign + std_attack):\n",
+             benign->n_sequences(), attack->n_sequences());
+  for (int k = 0; k <= 5; ++k) {
+    const auto hs = dmi::analysis::select_heads(sep, k);
+    std::string names;
+    for (std::size_t i = 0; i < hs.size() && i < 12; ++i) names += fmt::format(" L{}H{}", hs[i].layer, hs[i].head);
+    fmt::print("  k={}: {:>4} heads{}{}\n", k, hs.size(), names, hs.size() > 12 ? " ..." : "");
+  }
+  if (!t.output.empty()) fmt::print("wrote {} heads (k={}) to {}\n", chosen.size(), t.k, t.output);
+  return 0;
+}
+
 struct VectorOptions {
   dmi::analysis::MakeVectorOptions make;
   std::string output, vector_file, capture, gguf, model_hint, site;
@@ -630,6 +722,8 @@ int main(int argc, char** argv) {
       "  dmi-inspect run.h5 logits --seq 0 --pos 7 --top 10\n"
       "  dmi-inspect run.h5 text --follow                (while dmi-run writes run.h5: new tokens as they come)\n"
       "  dmi-inspect run.h5 recover                      (close the file of a killed run for every HDF5 reader)\n"
+      "  dmi-inspect run.h5 attn-tracker --heads heads.json --inst 1:12 --data 12:40 --json\n"
+      "  dmi-inspect attn-tracker-select --benign benign.h5 --attack attack.h5 --inst 1:12 --data 12:40 -o heads.json\n"
       "  dmi-inspect steer-vector make --pos happy.h5 --neg sad.h5 --site resid_post --select last-prompt -o v.safetensors\n"
       "  dmi-inspect steer-vector show v.safetensors --capture run.h5 --scale 4\n"
       "  dmi-inspect steer-vector export v.safetensors --gguf v.gguf\n"
@@ -638,7 +732,7 @@ int main(int argc, char** argv) {
       "2 bad input or unreadable file.");
   app.require_subcommand(1);
   Options o;
-  app.add_option("file", o.file, "capture file (.h5); not for steer-vector");
+  app.add_option("file", o.file, "capture file (.h5); not for steer-vector and attn-tracker-select");
   app.add_option("--tokenizer", o.tokenizer, "tokenizer.json for token text (default: the one the file names)");
   app.add_flag("--json", o.json, "machine-readable output");
   auto* follow_flag = app.add_flag("--follow", o.follow,
@@ -676,6 +770,25 @@ int main(int argc, char** argv) {
   logits->add_option("--top", o.top, "how many")->capture_default_str()->check(dmi::apps::kAtLeastOne);
   auto* recover = app.add_subcommand("recover", "close the file of a run that was killed (status running, writer "
                                                 "gone): sequences from its token log, status killed");
+  TrackerArgs ta;
+  auto* tracker = app.add_subcommand("attn-tracker", "the Attention Tracker's focus score per sequence: the last "
+                                     "prompt token's attention on the instruction vs the data (docs/monitors.md)");
+  tracker->add_option("--heads", ta.heads, "JSON [[layer, head], ...]")->required();
+  tracker->add_option("--inst", ta.inst, "instruction span: A:B token positions, or marker text")->required();
+  tracker->add_option("--data", ta.data, "data span: A:B token positions, or marker text")->required();
+  tracker->add_option("--threshold", ta.threshold, "flag a sequence whose score is at most this")
+      ->capture_default_str();
+  tracker->add_option("--seq", ta.seqs, "only these sequences (0,3,5)");
+  auto* select = app.add_subcommand("attn-tracker-select", "choose the Attention Tracker's heads from a benign and "
+                                    "an attack capture (no capture file before it)");
+  select->add_option("--benign", ta.benign, "capture of benign prompts (--hooks pattern --tokens last-prompt)")
+      ->required();
+  select->add_option("--attack", ta.attack, "capture of prompt-injection attacks")->required();
+  select->add_option("--inst", ta.inst, "instruction span: A:B token positions, or marker text")->required();
+  select->add_option("--data", ta.data, "data span: A:B token positions, or marker text")->required();
+  select->add_option("--k", ta.k, "select heads with mean difference > k (std_benign + std_attack)")
+      ->capture_default_str()->check(dmi::apps::kNonNegative);
+  select->add_option("-o,--output", ta.output, "write the selected heads as JSON [[layer, head], ...]");
   VectorOptions vo;
   auto* vec = app.add_subcommand("steer-vector", "make, show and export steering vectors (docs/steering.md)");
   vec->require_subcommand(1);
@@ -700,7 +813,7 @@ int main(int argc, char** argv) {
   vexport->add_option("--gguf", vo.gguf, "output .gguf")->required();
   vexport->add_option("--model-hint", vo.model_hint, "controlvector.model_hint (default: the file's model_hint)");
   vexport->add_flag("--drop-layer0", vo.drop_layer0, "leave out direction.0 (llama.cpp cannot apply it)");
-  for (auto* sub : {summary, sites, text, show, stats, attention, logits, recover, vmake, vshow, vexport})
+  for (auto* sub : {summary, sites, text, show, stats, attention, logits, recover, tracker, select, vmake, vshow, vexport})
     sub->add_flag("--json", o.json, "machine-readable output");
   for (auto* sub : {summary, text, show, stats, logits}) {
     sub->add_flag("--follow", o.follow, follow_flag->get_description());
@@ -714,6 +827,11 @@ int main(int argc, char** argv) {
       if (vshow->parsed()) return cmd_vector_show(vo, o.json);
       return cmd_vector_export(vo, o.json);
     });
+  if (select->parsed())
+    return dmi::apps::guarded("dmi-inspect", [&] {
+      DMI_CHECK(o.file.empty(), "attn-tracker-select takes no capture file before it (got '{}')", o.file);
+      return cmd_attn_tracker_select(o, ta);
+    });
   if (o.file.empty()) {
     std::fprintf(stderr, "dmi-inspect: error: a capture file is required before the command (see --help)\n");
     return 2;
@@ -721,7 +839,8 @@ int main(int argc, char** argv) {
   return dmi::apps::guarded("dmi-inspect", [&] {
     if (recover->parsed()) return cmd_recover(o);
     if (o.follow) {
-      DMI_CHECK(!sites->parsed() && !attention->parsed(), "--follow works with summary, text, show, stats and logits");
+      DMI_CHECK(!sites->parsed() && !attention->parsed() && !tracker->parsed(),
+                "--follow works with summary, text, show, stats and logits");
       DMI_CHECK(!logits->parsed() || o.seq >= 0, "logits --follow needs --seq");
       const std::string command = summary->parsed() ? "summary" : text->parsed() ? "text" : show->parsed() ? "show"
                                   : stats->parsed() ? "stats" : "logits";
@@ -750,6 +869,7 @@ int main(int argc, char** argv) {
     if (show->parsed()) return cmd_show(*f, o);
     if (stats->parsed()) return cmd_stats(*f, o);
     if (attention->parsed()) return cmd_attention(*f, o);
+    if (tracker->parsed()) return cmd_attn_tracker(*f, o, ta);
     return cmd_logits(*f, o);
   });
 }

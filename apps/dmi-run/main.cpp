@@ -157,6 +157,8 @@ int run(const Args& a) {
     engine::check_output_path(a.capture);
   }
   DMI_CHECK(capturing || a.capture.output.empty(), "--output needs --hooks (which sites to capture)");
+  DMI_CHECK(capturing || a.capture.monitors.empty(), "--monitor reads captured rows: it needs --hooks (e.g. --hooks "
+            "pattern --tokens last-prompt)");
   s.model_path = a.model.empty() ? default_model_dir() : a.model;
   s.tokenizer_path = a.tokenizer;
   s.hook_map = a.hook_map;
@@ -361,6 +363,8 @@ int main(int argc, char** argv) {
       "  dmi-run --steer happy.safetensors,scale=4,layers=2-3 --prompt 'LOVE, n.'   # steering\n"
       "  dmi-run --ablate 'blocks.1.attn.hook_z,heads=0=zero' --hooks z -o abl.h5\n"
       "  dmi-run --patch clean.h5,site=blocks.0.hook_resid_pre --prompt-ids 5,6,7 -o patched.h5\n"
+      "  dmi-run --prompts p.txt --hooks pattern --tokens last-prompt -n 1 -o run.h5 \\\n"
+      "          --monitor attn-tracker:heads=heads.json,inst=0:16,data=16:   # prompt-injection detection\n"
       "  dmi-run --replay run.h5 --verify                   # re-run a capture, prove it bit-identical\n"
       "  dmi-run --replay run.h5 --replay-mode forced --hooks full -o deep.h5 --seq 3,7   # add sites\n"
       "\nExit status: 0 ok, 2 bad input (one line on stderr), 130 interrupted (143 SIGTERM), 1 internal error;\n"
@@ -420,6 +424,11 @@ int main(int argc, char** argv) {
                   "readers (dmi-inspect --follow, h5py swmr=True) see rows this often")
       ->capture_default_str()
       ->check(dmi::apps::kPositive);
+  cap->add_option("--monitor", a.capture.monitors,
+                  "online monitor over the captured rows, on the writer thread (repeatable; docs/monitors.md): "
+                  "attn-tracker:heads=FILE,inst=SPAN,data=SPAN[,threshold=0.5][,name=N]")
+      ->allow_extra_args(false);
+  cap->add_option("--monitor-log", a.capture.monitor_log, "write the monitors' JSON lines here instead of stderr");
   cap->add_option("--on-full", a.capture.on_full, "block (lossless) or drop (never stalls; drops are counted)")
       ->capture_default_str();
   cap->add_option("--sink", a.capture.sink, "hdf5, or null (transport only, data discarded)")->capture_default_str();

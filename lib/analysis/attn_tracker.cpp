@@ -89,6 +89,17 @@ std::pair<std::int64_t, std::int64_t> TokenSpan::resolve(const std::vector<std::
   return {b, std::max(e, b + 1)};
 }
 
+double tracker_focus(const float* row, std::int64_t width, std::pair<std::int64_t, std::int64_t> inst,
+                     std::pair<std::int64_t, std::int64_t> data) {
+  auto sum = [&](std::pair<std::int64_t, std::int64_t> s) {
+    double acc = 0;
+    for (std::int64_t k = s.first; k < s.second && k < width; ++k) acc += row[k];
+    return acc;
+  };
+  const double i = sum(inst), d = sum(data);
+  return i / (i + d);
+}
+
 namespace {
 
 // Per sequence and layer: the pattern row [H, W] of the last prompt token.
@@ -114,19 +125,10 @@ class PatternRows {
   std::map<std::pair<int, std::size_t>, at::Tensor> cache_;
 };
 
-// attn(inst) / (attn(inst) + attn(data)) of head h in row [H, W], summed in
-// float64 in key order.
 double focus(const at::Tensor& row, std::int64_t h, std::pair<std::int64_t, std::int64_t> inst,
              std::pair<std::int64_t, std::int64_t> data, const std::string& path) {
   DMI_CHECK(h < row.size(0), "{}: head {} is out of range ({} heads)", path, h, row.size(0));
-  const float* p = row.data_ptr<float>() + h * row.size(1);
-  auto sum = [&](std::pair<std::int64_t, std::int64_t> s) {
-    double acc = 0;
-    for (std::int64_t k = s.first; k < s.second && k < row.size(1); ++k) acc += p[k];
-    return acc;
-  };
-  const double i = sum(inst), d = sum(data);
-  return i / (i + d);
+  return tracker_focus(row.data_ptr<float>() + h * row.size(1), row.size(1), inst, data);
 }
 
 std::vector<std::int32_t> prompt_of(const sink::CaptureFile& f, std::size_t seq) {

@@ -59,6 +59,12 @@ struct TrackerSequence {
   bool flagged = false;
 };
 
+// a for one head: row holds the last prompt token's attention over key
+// positions 0..width-1; summed in float64 in key order. The online monitor
+// (analysis/monitors.h) and the offline command both call this.
+double tracker_focus(const float* row, std::int64_t width, std::pair<std::int64_t, std::int64_t> inst,
+                     std::pair<std::int64_t, std::int64_t> data);
+
 // Every sequence of the capture (or those listed). Needs
 // blocks.L.attn.hook_pattern of each listed layer at each sequence's last
 // prompt position (dmi-run --hooks pattern --tokens last-prompt); errors

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "analysis/monitors.h"
 #include "common/error.h"
 #include "sink/hdf5_sink.h"
 
@@ -47,6 +48,8 @@ void validate_capture_config(const CaptureConfig& c) {
             "--transport '{}' is not ring, sync or materialize", c.transport);
   DMI_CHECK(c.sink != "hdf5" || !c.output.empty(), "--hooks with --sink hdf5 needs --output FILE.h5");
   DMI_CHECK(c.flush_every > 0, "--flush-every must be positive (got {})", c.flush_every);
+  for (const auto& m : c.monitors) analysis::check_monitor_syntax(m);
+  DMI_CHECK(c.monitor_log.empty() || !c.monitors.empty(), "--monitor-log needs --monitor");
 }
 
 void check_output_path(const CaptureConfig& c) {
@@ -69,7 +72,8 @@ void check_output_path(const CaptureConfig& c) {
 }
 
 CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, const hooks::SiteSpace& space,
-                       at::ScalarType model_dtype, std::int64_t max_len, const sink::RunInfo& info) {
+                       at::ScalarType model_dtype, std::int64_t max_len, const sink::RunInfo& info,
+                       const io::Tokenizer* tokenizer) {
   validate_capture_config(c);
   hooks::CaptureOptions o;
   o.selection = hooks::Selection::parse(c.hooks, space);
@@ -79,9 +83,22 @@ CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, const
   o.logits_topk = parse_topk(c.logits);
   o.capture_dtype = parse_capture_dtype(c.capture_dtype);
   o.max_len = max_len;
+  const bool prompt_rows = o.tokens != hooks::TokenPolicy::generated;
   point_ = std::make_unique<hooks::CapturePoint>(std::move(o), cfg, model_dtype);
-  sink_ = c.sink == "null" ? sink::make_null_sink()
-                            : sink::make_hdf5_sink(c.output, info, sink::Hdf5Options{c.compression, c.flush_every});
+  // Monitors are checked before the file is created.
+  analysis::MonitorSetup monitors;
+  monitors.specs = c.monitors;
+  monitors.log_path = c.monitor_log;
+  monitors.prompts = info.prompt_ids;
+  monitors.tokenizer = tokenizer;
+  monitors.streams = point_->streams();
+  monitors.prompt_rows = prompt_rows;
+  sink_ = analysis::make_monitor_sink(
+      [&] {
+        return c.sink == "null" ? sink::make_null_sink()
+                                : sink::make_hdf5_sink(c.output, info, sink::Hdf5Options{c.compression, c.flush_every});
+      },
+      monitors);
   // The sites' streams, then the token log's.
   std::vector<sink::StreamInfo> streams = point_->streams();
   token_stream_ = static_cast<std::uint16_t>(streams.size());

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "hooks/capture.h"
+#include "io/tokenizer.h"
 #include "ring/baselines.h"
 #include "ring/ring.h"
 #include "sink/sink.h"
@@ -32,6 +33,10 @@ struct CaptureConfig {
   // Seconds between flushes of the HDF5 file: what a kill leaves, and how
   // often live (SWMR) readers see new rows.
   double flush_every = 1.0;
+  // Online monitors over the captured rows (analysis/monitors.h): --monitor
+  // specs and where their JSON lines go (empty: stderr).
+  std::vector<std::string> monitors;
+  std::string monitor_log;
 };
 
 // Checks flag values that need no model; throws dmi::Error naming the flag.
@@ -49,9 +54,11 @@ struct CaptureResult {
 
 class CaptureRun {
  public:
-  // Creates the file (hdf5 sink) and starts the writer thread.
+  // Creates the file (hdf5 sink) and starts the writer thread. tokenizer:
+  // for monitors' marker spans (may be null).
   CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, const hooks::SiteSpace& space,
-             at::ScalarType model_dtype, std::int64_t max_len, const sink::RunInfo& info);
+             at::ScalarType model_dtype, std::int64_t max_len, const sink::RunInfo& info,
+             const io::Tokenizer* tokenizer = nullptr);
   ~CaptureRun();
   hooks::Observer* observer() { return point_.get(); }
   // Adds tokens chosen at a decode step to the file's token log (through the

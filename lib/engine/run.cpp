@@ -166,7 +166,8 @@ RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const st
     info.prompt_texts = job.prompt_texts;
     info.prompt_ids = job.prompts;
     const at::ScalarType dtype = s.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
-    capture = std::make_unique<CaptureRun>(s.capture, cfg, m.model->site_space(), dtype, width, info);
+    capture = std::make_unique<CaptureRun>(s.capture, cfg, m.model->site_space(), dtype, width, info,
+                                           m.tokenizer.get());
     opts.on_tokens = [c = capture.get()](std::int32_t step, const std::vector<std::int32_t>& seq,
                                          const std::vector<std::int32_t>& pos, const std::vector<std::int32_t>& ids) {
       c->log_tokens(step, seq, pos, ids);

@@ -48,12 +48,27 @@ struct SequenceInfo {
   std::int32_t batch = -1, row = -1, left_pad = -1;
 };
 
+// Results computed alongside a capture (monitors), stored in it at close:
+// one group, its text attributes, and datasets of float64 (or int64).
+struct ResultTable {
+  std::string group;  // "monitors/attn-tracker"
+  std::vector<std::pair<std::string, std::string>> attrs;
+  struct Column {
+    std::string name;
+    std::vector<std::int64_t> shape;
+    std::vector<double> values;
+    bool integer = false;  // stored as int64
+  };
+  std::vector<Column> columns;
+};
+
 struct Finish {
   std::string status;  // complete | interrupted | failed
   std::uint64_t records_written = 0, records_dropped = 0;
   std::vector<std::uint64_t> dropped_per_stream;
   std::vector<SequenceInfo> sequences;
   std::string timings_json;  // root attribute "timings" when not empty
+  std::vector<ResultTable> results;
 };
 
 class Sink {

@@ -4,7 +4,7 @@ same capture read with h5py.
 
   attn_tracker_test.py BIN_DIR TEST_MODELS CASE
 
-Cases: score, select, bad-input.
+Cases: score, select, online, bad-input.
 """
 import json
 import os
@@ -40,9 +40,10 @@ def run(tool, *args, expect_rc=0):
     return r
 
 
-def capture(name, prompts, hooks="pattern"):
+def capture(name, prompts, hooks="pattern", extra=()):
     path = os.path.join(tmp, name)
-    args = ["--model", MODEL, "-n", "1", "--hooks", hooks, "--tokens", "last-prompt", "-o", path, "-q", "-b", "3"]
+    args = ["--model", MODEL, "-n", "1", "--hooks", hooks, "--tokens", "last-prompt", "-o", path, "-q", "-b", "3",
+            *extra]
     for p in prompts:
         args += ["--prompt", p]
     run(DMI_RUN, *args)
@@ -133,6 +134,48 @@ def case_select():
     print(f"head statistics and selections for k=0..5 equal numpy's; {len(written)} heads at k=1 written")
 
 
+def case_online():
+    """dmi-run --monitor attn-tracker: its JSON lines and /monitors table equal
+    the offline command bit for bit, and numpy; also with bfloat16 rows."""
+    heads = [[0, 1], [1, 2], [1, 3]]
+    hfile = os.path.join(tmp, "heads.json")
+    with open(hfile, "w") as f:
+        json.dump(heads, f)
+    prompts = BENIGN + ATTACK
+    for dtype in ("model", "bfloat16"):
+        log = os.path.join(tmp, f"monitor-{dtype}.jsonl")
+        path = capture(f"online-{dtype}.h5", prompts, extra=[
+            "--capture-dtype", dtype, "--monitor-log", log,
+            "--monitor", f"attn-tracker:heads={hfile},inst={INST},data={len(INST)}:,threshold=0.45",
+            "--monitor", f"attn-tracker:heads={hfile},inst=0:4,data=4:,name=first-word"])
+        off = json.loads(run(DMI_INSPECT, path, "attn-tracker", "--heads", hfile, "--inst", INST, "--data",
+                             f"{len(INST)}:", "--threshold", "0.45", "--json").stdout)["sequences"]
+        lines = [json.loads(x) for x in open(log)]
+        if sorted((x["name"], x["seq"]) for x in lines) != sorted(
+                [("attn-tracker", s) for s in range(len(prompts))] + [("first-word", s) for s in range(len(prompts))]):
+            fail(f"{dtype}: monitor lines {[(x['name'], x['seq']) for x in lines]}")
+        want = focus(path)
+        with h5py.File(path, "r") as f:
+            g = f["monitors/attn-tracker"]
+            if json.loads(g.attrs["heads"]) != heads or g.attrs["monitor"] != "attn-tracker":
+                fail(f"{dtype}: attributes {dict(g.attrs)}")
+            score, flagged, a = g["score"][:], g["flagged"][:], g["a"][:]
+            if "first-word" not in f["monitors"]:
+                fail("the second monitor's group is missing")
+        for s in range(len(prompts)):
+            line = next(x for x in lines if x["name"] == "attn-tracker" and x["seq"] == s)
+            if not (score[s] == off[s]["score"] == line["score"]) or list(a[s]) != off[s]["a"] or \
+                    line["a"] != off[s]["a"] or bool(flagged[s]) != off[s]["flagged"] or line["flagged"] != off[s]["flagged"]:
+                fail(f"{dtype} seq {s}: online {score[s]!r} {list(a[s])} {flagged[s]}, log {line}, offline {off[s]}")
+            ref = [want[(s, l, h)] for l, h in heads]
+            if not np.allclose(a[s], ref, rtol=1e-12, atol=0):
+                fail(f"{dtype} seq {s}: a {list(a[s])}, numpy {ref}")
+            if line["pos"] != len(prompts[s]) - 1:
+                fail(f"seq {s}: pos {line['pos']}")
+    print(f"online scores of {len(prompts)} sequences (float32 and bfloat16 rows) equal the offline command bit for "
+          "bit and numpy; two monitors with their own names")
+
+
 def case_bad_input():
     path = capture("benign.h5", BENIGN[:2])
     no_pattern = capture("resid.h5", BENIGN[:1], hooks="resid_post")
@@ -150,6 +193,19 @@ def case_bad_input():
         (None, ["attn-tracker-select", "--benign", path, "--attack", no_pattern, "--inst", "0:4", "--data", "4:"],
          "pattern"),
     ]
+    out = os.path.join(tmp, "never.h5")
+    for extra, needle in (
+            (["--hooks", "resid_post", "--monitor", f"attn-tracker:heads={good},inst=0:4,data=4:"], "hook_pattern"),
+            (["--hooks", "pattern", "--tokens", "generated", "--monitor",
+              f"attn-tracker:heads={good},inst=0:4,data=4:"], "prompt positions"),
+            (["--hooks", "pattern", "--monitor", "attn-entropy"], "unknown monitor"),
+            (["--hooks", "pattern", "--monitor", f"attn-tracker:heads={good},inst=0:4"], "data="),
+            (["--hooks", "pattern", "--monitor", f"attn-tracker:heads={good},inst=zzz,data=4:"], "zzz"),
+            (["--hooks", "pattern", "--monitor-log", os.path.join(tmp, "x.jsonl")], "--monitor-log needs --monitor")):
+        r = run(DMI_RUN, "--model", MODEL, "--prompt", BENIGN[0], "-n", "1", "-o", out, *extra, expect_rc=2)
+        lines = r.stderr.strip().splitlines()
+        if len(lines) != 1 or needle not in lines[0] or os.path.exists(out):
+            fail(f"dmi-run {extra}: stderr {r.stderr!r}, want one line naming {needle!r} and no file")
     for content, args, needle in cases:
         if content is not None:
             with open(bad, "w") as f:
@@ -161,5 +217,5 @@ def case_bad_input():
     print("bad heads files, spans, sequences and captures without patterns: exit 2 naming the problem")
 
 
-{"score": case_score, "select": case_select, "bad-input": case_bad_input}[case]()
+{"score": case_score, "select": case_select, "online": case_online, "bad-input": case_bad_input}[case]()
 print("ok")

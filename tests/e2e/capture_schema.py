@@ -50,6 +50,8 @@ def describe(f):
         "attributes": attrs(f),
         "sequences": {k: ds(v) for k, v in f["sequences"].items()},
         **({"token_log": {k: ds(v) for k, v in f["token_log"].items()}} if "token_log" in f else {}),
+        **({"monitors": {name: dict({"attributes": attrs(g)}, **{k: ds(v) for k, v in g.items()})
+                         for name, g in f["monitors"].items()}} if "monitors" in f else {}),
         "sites": {name: dict({"attributes": attrs(g)}, **{k: ds(v) for k, v in g.items()})
                   for name, g in f["sites"].items()},
     }
@@ -61,10 +63,15 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import dmi_torchscript  # noqa: E402
 ts_model = os.path.join(tmp, "llama.pt")
 dmi_torchscript.export(os.path.join(models, "llama-gqa-f32"), ts_model)
+heads = os.path.join(tmp, "heads.json")
+with open(heads, "w") as f:
+    json.dump([[0, 1], [1, 0]], f)
 runs = [(ts_model, ["--hooks", "resid_post,pattern,logits", "--logits", "topk:3"]),
         ("qwen3-qknorm-bf16-misaligned", ["--hooks", "full", "--logits", "topk:5"]),
         ("llama-gqa-f32", ["--hooks", "residual,kv", "--capture-dtype", "bfloat16", "--compression", "shuffle+gzip:4"]),
-        ("mistral-window-bf16-sharded", ["--hooks", "hf-hidden-states,pattern", "--capture-dtype", "float16"])]
+        ("mistral-window-bf16-sharded", ["--hooks", "hf-hidden-states,pattern", "--capture-dtype", "float16",
+                                         "--monitor", f"attn-tracker:heads={heads},inst=0:1,data=1:",
+                                         "--monitor-log", os.path.join(tmp, "monitor.jsonl")])]
 # And replays of the TorchScript capture (exact, bit for bit) and of the
 # Qwen3 one (forced, deeper selection).
 runs += [(None, ["--replay", os.path.join(tmp, "llama.pt.h5"), "--verify"]),
@@ -103,6 +110,8 @@ for i, (model, extra) in enumerate(runs):
                   "openblas_core", "threads"]:
             if k not in env:
                 sys.exit(f"FAIL: environment lacks {k}")
+        if "--monitor" in extra and f["monitors/attn-tracker/score"].shape != (2,):
+            sys.exit("FAIL: /monitors/attn-tracker/score")
         if model is None and json.loads(f.attrs["replay_of"])["mode"] not in ("exact", "forced"):
             sys.exit("FAIL: replay_of")
     print(f"{os.path.basename(model or 'replay')} {' '.join(extra)}: valid ({len(doc['sites'])} sites)")

@@ -100,6 +100,13 @@ double tracker_focus(const float* row, std::int64_t width, std::pair<std::int64_
   return i / (i + d);
 }
 
+double attention_entropy(const float* row, std::int64_t n) {
+  double h = 0;
+  for (std::int64_t k = 0; k < n; ++k)
+    if (row[k] > 0) h -= static_cast<double>(row[k]) * std::log(static_cast<double>(row[k]));
+  return h;
+}
+
 namespace {
 
 // Per sequence and layer: the pattern row [H, W] of the last prompt token.

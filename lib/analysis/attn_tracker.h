@@ -65,6 +65,10 @@ struct TrackerSequence {
 double tracker_focus(const float* row, std::int64_t width, std::pair<std::int64_t, std::int64_t> inst,
                      std::pair<std::int64_t, std::int64_t> data);
 
+// The entropy (nats) of one attention row over its first n keys, in
+// float64 in key order; zero probabilities contribute nothing.
+double attention_entropy(const float* row, std::int64_t n);
+
 // Every sequence of the capture (or those listed). Needs
 // blocks.L.attn.hook_pattern of each listed layer at each sequence's last
 // prompt position (dmi-run --hooks pattern --tokens last-prompt); errors

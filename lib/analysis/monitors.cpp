@@ -1,6 +1,7 @@
 #include "analysis/monitors.h"
 
 #include <ATen/ATen.h>
+#include <fmt/ranges.h>
 
 #include <cerrno>
 #include <cmath>
@@ -14,6 +15,7 @@
 
 #include "analysis/attn_tracker.h"
 #include "common/error.h"
+#include "hooks/selection.h"
 
 namespace dmi::analysis {
 
@@ -30,7 +32,8 @@ Spec parse_spec(const std::string& s) {
   Spec out;
   const auto colon = s.find(':');
   out.kind = s.substr(0, colon);
-  DMI_CHECK(out.kind == "attn-tracker", "--monitor {}: unknown monitor '{}' (known: attn-tracker)", s, out.kind);
+  DMI_CHECK(out.kind == "attn-tracker" || out.kind == "attn-entropy",
+            "--monitor {}: unknown monitor '{}' (known: attn-tracker, attn-entropy)", s, out.kind);
   std::string last;
   if (colon != std::string::npos) {
     std::size_t a = colon + 1;
@@ -50,11 +53,14 @@ Spec parse_spec(const std::string& s) {
       out.args[last] = item.substr(eq + 1);
     }
   }
-  const std::set<std::string> allowed{"heads", "inst", "data", "threshold", "name"};
+  const bool tracker = out.kind == "attn-tracker";
+  const std::set<std::string> allowed = tracker ? std::set<std::string>{"heads", "inst", "data", "threshold", "name"}
+                                                : std::set<std::string>{"layers", "window", "threshold", "name"};
   for (const auto& [k, v] : out.args)
-    DMI_CHECK(allowed.count(k), "--monitor {}: unknown key '{}' (allowed: data, heads, inst, name, threshold)", s, k);
-  for (const char* k : {"heads", "inst", "data"})
-    DMI_CHECK(out.args.count(k) && !out.args[k].empty(), "--monitor {}: attn-tracker needs {}=", s, k);
+    DMI_CHECK(allowed.count(k), "--monitor {}: unknown key '{}' (allowed: {})", s, k, fmt::join(allowed, ", "));
+  if (tracker)
+    for (const char* k : {"heads", "inst", "data"})
+      DMI_CHECK(out.args.count(k) && !out.args[k].empty(), "--monitor {}: attn-tracker needs {}=", s, k);
   return out;
 }
 
@@ -71,6 +77,8 @@ double parse_threshold(const std::string& spec, const std::string& v) {
   return t;
 }
 
+std::string monitor_name(const std::string& spec, Spec& p);
+
 class Monitor {
  public:
   virtual ~Monitor() = default;
@@ -86,9 +94,7 @@ class AttnTracker final : public Monitor {
   // log: where the JSON lines go (set once every monitor is checked).
   AttnTracker(const std::string& spec, const MonitorSetup& setup, std::FILE* const* log) : spec_(spec), log_(log) {
     Spec p = parse_spec(spec);
-    name_ = p.args.count("name") ? p.args["name"] : "attn-tracker";
-    DMI_CHECK(!name_.empty() && name_.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-_") == std::string::npos,
-              "--monitor {}: name={} must be lowercase letters, digits, - and _", spec, name_);
+    name_ = monitor_name(spec, p);
     heads_ = read_tracker_heads(p.args["heads"]);
     inst_text_ = p.args["inst"];
     data_text_ = p.args["data"];
@@ -190,6 +196,125 @@ class AttnTracker final : public Monitor {
   std::vector<double> score_;
 };
 
+std::string monitor_name(const std::string& spec, Spec& p) {
+  const std::string name = p.args.count("name") ? p.args["name"] : p.kind;
+  DMI_CHECK(!name.empty() && name.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-_") == std::string::npos,
+            "--monitor {}: name={} must be lowercase letters, digits, - and _", spec, name);
+  return name;
+}
+
+// Mean attention entropy (nats, over heads) per layer per generated token;
+// flags a sequence once the mean over the monitored layers stays below the
+// threshold for `window` generated tokens in a row (attention collapse).
+class AttnEntropy final : public Monitor {
+ public:
+  AttnEntropy(const std::string& spec, const MonitorSetup& setup, std::FILE* const* log) : spec_(spec), log_(log) {
+    Spec p = parse_spec(spec);
+    name_ = monitor_name(spec, p);
+    if (p.args.count("threshold")) threshold_ = parse_threshold(spec, p.args["threshold"]);
+    if (p.args.count("window")) {
+      const std::string& w = p.args["window"];
+      DMI_CHECK(!w.empty() && w.size() < 7 && w.find_first_not_of("0123456789") == std::string::npos && std::stoi(w) >= 1,
+                "--monitor {}: window={} is not a count of tokens (1 or more)", spec, w);
+      window_ = std::stoi(w);
+    }
+    std::set<int> wanted;
+    int most = 0;
+    for (const auto& st : setup.streams) most = std::max(most, st.layer + 1);
+    if (p.args.count("layers"))
+      for (auto l : hooks::parse_index_set(p.args["layers"], most, "layers")) wanted.insert(static_cast<int>(l));
+    for (std::size_t s = 0; s < setup.streams.size(); ++s) {
+      const auto& st = setup.streams[s];
+      if (st.layout != sink::Layout::attention || st.name.find("attn.hook_pattern") == std::string::npos) continue;
+      if (!wanted.empty() && !wanted.count(st.layer)) continue;
+      layer_of_[static_cast<std::uint16_t>(s)] = static_cast<int>(layers_.size());
+      layers_.push_back(st.layer);
+      shape_[static_cast<std::uint16_t>(s)] = {st.row_shape[0], st.row_shape[1]};
+      dtype_[static_cast<std::uint16_t>(s)] = st.dtype;
+    }
+    DMI_CHECK(!layers_.empty(), "--monitor {}: the capture has no attention pattern{} (add --hooks pattern)", spec,
+              wanted.empty() ? "" : " of the layers asked for");
+    DMI_CHECK(layers_.size() == wanted.size() || wanted.empty(), "--monitor {}: the capture lacks the pattern of "
+              "some of layers={} (capture them: --hooks pattern)", spec, p.args["layers"]);
+    DMI_CHECK(setup.generated_rows, "--monitor {}: attn-entropy reads generated tokens' patterns; capture them "
+              "(--tokens all or generated)", spec);
+    for (const auto& prompt : setup.prompts) plen_.push_back(static_cast<std::int64_t>(prompt.size()));
+    run_.assign(plen_.size(), 0);
+    flag_pos_.assign(plen_.size(), -1);
+  }
+
+  void rows(std::uint16_t stream, std::uint32_t n, const std::int32_t* seq, const std::int32_t* pos,
+            const void* data) override {
+    auto it = layer_of_.find(stream);
+    if (it == layer_of_.end()) return;
+    const auto [H, W] = shape_.at(stream);
+    at::Tensor rows;
+    for (std::uint32_t r = 0; r < n; ++r) {
+      const std::int32_t s = seq[r];
+      if (s < 0 || static_cast<std::size_t>(s) >= plen_.size() || pos[r] < plen_[s]) continue;
+      if (!rows.defined())
+        rows = at::from_blob(const_cast<void*>(data), {static_cast<std::int64_t>(n), H, W}, dtype_.at(stream))
+                   .to(at::kFloat)
+                   .contiguous();
+      const float* row = rows.data_ptr<float>() + static_cast<std::int64_t>(r) * H * W;
+      double mean = 0;
+      for (std::int64_t h = 0; h < H; ++h) mean += attention_entropy(row + h * W, std::min<std::int64_t>(pos[r] + 1, W));
+      mean /= static_cast<double>(H);
+      auto key = std::make_pair(s, pos[r]);
+      auto& e = pending_[key];
+      if (e.empty()) e.assign(layers_.size(), std::numeric_limits<double>::quiet_NaN());
+      e[it->second] = mean;
+      if (std::none_of(e.begin(), e.end(), [](double v) { return std::isnan(v); })) token_done(s, pos[r], e);
+    }
+  }
+
+  sink::ResultTable table() const override {
+    sink::ResultTable t;
+    t.group = "monitors/" + name_;
+    t.attrs = {{"monitor", "attn-entropy"}, {"spec", spec_}, {"layers", nlohmann::json(layers_).dump()},
+               {"window", std::to_string(window_)}, {"threshold", nlohmann::json(threshold_).dump()}};
+    const auto n = static_cast<std::int64_t>(seq_.size()), L = static_cast<std::int64_t>(layers_.size());
+    sink::ResultTable::Column seq{"seq", {n}, seq_, true}, pos{"pos", {n}, pos_, true};
+    sink::ResultTable::Column entropy{"entropy", {n, L}, entropy_, false};
+    sink::ResultTable::Column flag_pos{"flag_pos", {static_cast<std::int64_t>(flag_pos_.size())}, {}, true};
+    for (auto p : flag_pos_) flag_pos.values.push_back(static_cast<double>(p));
+    t.columns = {seq, pos, entropy, flag_pos};
+    return t;
+  }
+
+ private:
+  void token_done(std::int32_t s, std::int32_t p, const std::vector<double>& e) {
+    double mean = 0;
+    for (double v : e) mean += v;
+    mean /= static_cast<double>(e.size());
+    seq_.push_back(s);
+    pos_.push_back(p);
+    entropy_.insert(entropy_.end(), e.begin(), e.end());
+    pending_.erase({s, p});
+    run_[s] = mean < threshold_ ? run_[s] + 1 : 0;
+    if (run_[s] >= window_ && flag_pos_[s] < 0) {
+      flag_pos_[s] = p;
+      nlohmann::json line = {{"monitor", "attn-entropy"}, {"name", name_}, {"seq", s}, {"pos", p},
+                             {"flagged", true}, {"entropy", mean}, {"window", window_}};
+      std::fprintf(*log_, "%s\n", line.dump().c_str());
+      std::fflush(*log_);
+    }
+  }
+
+  std::string spec_, name_;
+  std::FILE* const* log_;
+  double threshold_ = 0.5;
+  int window_ = 16;
+  std::vector<int> layers_;
+  std::map<std::uint16_t, int> layer_of_;  // stream -> index into layers_
+  std::map<std::uint16_t, std::pair<std::int64_t, std::int64_t>> shape_;
+  std::map<std::uint16_t, at::ScalarType> dtype_;
+  std::vector<std::int64_t> plen_, flag_pos_;
+  std::vector<int> run_;
+  std::map<std::pair<std::int32_t, std::int32_t>, std::vector<double>> pending_;
+  std::vector<double> seq_, pos_, entropy_;
+};
+
 class MonitorSink final : public sink::Sink {
  public:
   // Checks every monitor, then opens the log, then makes the inner sink (so
@@ -197,7 +322,8 @@ class MonitorSink final : public sink::Sink {
   MonitorSink(const std::function<std::unique_ptr<sink::Sink>()>& make_inner, const MonitorSetup& setup) {
     std::set<std::string> names;
     for (const auto& spec : setup.specs) {
-      monitors_.push_back(std::make_unique<AttnTracker>(spec, setup, &log_));
+      if (spec.rfind("attn-entropy", 0) == 0) monitors_.push_back(std::make_unique<AttnEntropy>(spec, setup, &log_));
+      else monitors_.push_back(std::make_unique<AttnTracker>(spec, setup, &log_));
       const std::string name = monitors_.back()->table().group;
       DMI_CHECK(names.insert(name).second, "--monitor {}: two monitors store /{}; give one a name=", spec, name);
     }

@@ -5,10 +5,11 @@
 // when it closes (docs/monitors.md).
 //
 //   attn-tracker:heads=FILE,inst=SPAN,data=SPAN[,threshold=0.5][,name=N]
+//   attn-entropy[:layers=L][,window=16][,threshold=0.5][,name=N]
 //
-// The offline twin of each monitor is in dmi-inspect (analysis/attn_tracker.h):
-// both compute with the same function over the same stored values, so they
-// agree bit for bit.
+// The Attention Tracker's offline twin is in dmi-inspect
+// (analysis/attn_tracker.h): both compute with the same function over the
+// same stored values, so they agree bit for bit.
 #pragma once
 
 #include <cstdint>
@@ -28,10 +29,11 @@ struct MonitorSetup {
   // Each sequence's prompt (the last prompt position; marker spans).
   std::vector<std::vector<std::int32_t>> prompts;
   const io::Tokenizer* tokenizer = nullptr;  // for marker spans
-  // What the capture stores: its streams and whether prompt positions are
-  // captured (--tokens all, prompt or last-prompt).
+  // What the capture stores: its streams and whether prompt positions
+  // (--tokens all, prompt or last-prompt) and generated ones (all,
+  // generated) are captured.
   std::vector<sink::StreamInfo> streams;
-  bool prompt_rows = true;
+  bool prompt_rows = true, generated_rows = true;
 };
 
 // Checks every spec (its grammar, files, spans, and that the capture holds

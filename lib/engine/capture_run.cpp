@@ -84,6 +84,7 @@ CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, const
   o.capture_dtype = parse_capture_dtype(c.capture_dtype);
   o.max_len = max_len;
   const bool prompt_rows = o.tokens != hooks::TokenPolicy::generated;
+  const bool generated_rows = o.tokens == hooks::TokenPolicy::all || o.tokens == hooks::TokenPolicy::generated;
   point_ = std::make_unique<hooks::CapturePoint>(std::move(o), cfg, model_dtype);
   // Monitors are checked before the file is created.
   analysis::MonitorSetup monitors;
@@ -93,6 +94,7 @@ CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, const
   monitors.tokenizer = tokenizer;
   monitors.streams = point_->streams();
   monitors.prompt_rows = prompt_rows;
+  monitors.generated_rows = generated_rows;
   sink_ = analysis::make_monitor_sink(
       [&] {
         return c.sink == "null" ? sink::make_null_sink()

@@ -1,10 +1,11 @@
 #!/usr/bin/python3
-"""dmi-inspect attn-tracker and attn-tracker-select against numpy over the
-same capture read with h5py.
+"""Monitors: dmi-inspect attn-tracker and attn-tracker-select, and dmi-run
+--monitor (attn-tracker, attn-entropy), against numpy over the same capture
+read with h5py.
 
-  attn_tracker_test.py BIN_DIR TEST_MODELS CASE
+  monitors_test.py BIN_DIR TEST_MODELS CASE
 
-Cases: score, select, online, bad-input.
+Cases: score, select, online, entropy, bad-input.
 """
 import json
 import os
@@ -176,6 +177,57 @@ def case_online():
           "bit and numpy; two monitors with their own names")
 
 
+def case_entropy():
+    """attn-entropy: per generated token and layer, the mean over heads of the
+    pattern row's entropy, equal to numpy's; flags after `window` tokens below
+    the threshold, as numpy's replay of the rule says."""
+    prompts = ["Define the word. DATA: a cat", "abc", "zzzzzzzzzzzzzzzz"]
+    for threshold, window in ((1.3, 3), (1.3, 1), (10.0, 2), (0.0, 1)):
+        log = os.path.join(tmp, "entropy.jsonl")
+        path = os.path.join(tmp, "entropy.h5")
+        args = ["--model", MODEL, "-n", "10", "--hooks", "pattern,resid_post", "-o", path, "-q", "-b", "2",
+                "--overwrite", "--monitor-log", log, "--monitor",
+                f"attn-entropy:layers=0-1,window={window},threshold={threshold}"]
+        for p in prompts:
+            args += ["--prompt", p]
+        run(DMI_RUN, *args)
+        with h5py.File(path, "r") as f:
+            plen = f["sequences"]["prompt_lengths"][:]
+            want = {}
+            for layer in range(2):
+                g = f["sites"][f"blocks.{layer}.attn.hook_pattern"]
+                for s, p, row in zip(g["seq"][:], g["pos"][:], g["data"][:].astype(np.float64)):
+                    if p < plen[s]:
+                        continue
+                    ents = []
+                    for h in range(row.shape[0]):
+                        q = row[h, :p + 1]
+                        q = q[q > 0]
+                        ents.append(-(q * np.log(q)).sum())
+                    want.setdefault((int(s), int(p)), [None, None])[layer] = np.mean(ents)
+            m = f["monitors/attn-entropy"]
+            got = {(int(s), int(p)): e for s, p, e in zip(m["seq"][:], m["pos"][:], m["entropy"][:])}
+            flag_pos = m["flag_pos"][:]
+        if set(got) != set(want):
+            fail(f"rows {sorted(set(got) ^ set(want))[:5]} differ")
+        for k, e in got.items():
+            if not np.allclose(e, want[k], rtol=1e-12, atol=1e-15):
+                fail(f"{k}: entropy {list(e)}, numpy {want[k]}")
+        lines = [json.loads(x) for x in open(log)] if os.path.exists(log) else []
+        for s in range(len(prompts)):
+            run_len, first = 0, -1
+            for p in sorted(p for (q, p) in want if q == s):
+                run_len = run_len + 1 if np.mean(want[(s, p)]) < threshold else 0
+                if run_len >= window and first < 0:
+                    first = p
+            if flag_pos[s] != first:
+                fail(f"threshold {threshold} window {window} seq {s}: flag_pos {flag_pos[s]}, numpy {first}")
+            flagged_lines = [x for x in lines if x["seq"] == s]
+            if (first >= 0) != bool(flagged_lines) or (flagged_lines and flagged_lines[0]["pos"] != first):
+                fail(f"seq {s}: JSON lines {flagged_lines}, want a flag at {first}")
+        print(f"threshold {threshold} window {window}: {len(got)} token rows equal numpy; flags at {list(flag_pos)}")
+
+
 def case_bad_input():
     path = capture("benign.h5", BENIGN[:2])
     no_pattern = capture("resid.h5", BENIGN[:1], hooks="resid_post")
@@ -198,10 +250,14 @@ def case_bad_input():
             (["--hooks", "resid_post", "--monitor", f"attn-tracker:heads={good},inst=0:4,data=4:"], "hook_pattern"),
             (["--hooks", "pattern", "--tokens", "generated", "--monitor",
               f"attn-tracker:heads={good},inst=0:4,data=4:"], "prompt positions"),
-            (["--hooks", "pattern", "--monitor", "attn-entropy"], "unknown monitor"),
+            (["--hooks", "pattern", "--monitor", "attn-mystery"], "unknown monitor"),
             (["--hooks", "pattern", "--monitor", f"attn-tracker:heads={good},inst=0:4"], "data="),
             (["--hooks", "pattern", "--monitor", f"attn-tracker:heads={good},inst=zzz,data=4:"], "zzz"),
-            (["--hooks", "pattern", "--monitor-log", os.path.join(tmp, "x.jsonl")], "--monitor-log needs --monitor")):
+            (["--hooks", "pattern", "--monitor-log", os.path.join(tmp, "x.jsonl")], "--monitor-log needs --monitor"),
+            (["--hooks", "pattern", "--tokens", "last-prompt", "--monitor", "attn-entropy"], "generated"),
+            (["--hooks", "resid_post", "--monitor", "attn-entropy"], "pattern"),
+            (["--hooks", "pattern", "--monitor", "attn-entropy:window=0"], "window=0"),
+            (["--hooks", "pattern", "--monitor", "attn-entropy:heads=x"], "unknown key")):
         r = run(DMI_RUN, "--model", MODEL, "--prompt", BENIGN[0], "-n", "1", "-o", out, *extra, expect_rc=2)
         lines = r.stderr.strip().splitlines()
         if len(lines) != 1 or needle not in lines[0] or os.path.exists(out):
@@ -217,5 +273,6 @@ def case_bad_input():
     print("bad heads files, spans, sequences and captures without patterns: exit 2 naming the problem")
 
 
-{"score": case_score, "select": case_select, "online": case_online, "bad-input": case_bad_input}[case]()
+{"score": case_score, "select": case_select, "online": case_online, "entropy": case_entropy,
+ "bad-input": case_bad_input}[case]()
 print("ok")

@@ -32,8 +32,8 @@ Spec parse_spec(const std::string& s) {
   Spec out;
   const auto colon = s.find(':');
   out.kind = s.substr(0, colon);
-  DMI_CHECK(out.kind == "attn-tracker" || out.kind == "attn-entropy",
-            "--monitor {}: unknown monitor '{}' (known: attn-tracker, attn-entropy)", s, out.kind);
+  DMI_CHECK(out.kind == "attn-tracker" || out.kind == "attn-entropy" || out.kind == "resid-norm",
+            "--monitor {}: unknown monitor '{}' (known: attn-tracker, attn-entropy, resid-norm)", s, out.kind);
   std::string last;
   if (colon != std::string::npos) {
     std::size_t a = colon + 1;
@@ -54,8 +54,10 @@ Spec parse_spec(const std::string& s) {
     }
   }
   const bool tracker = out.kind == "attn-tracker";
-  const std::set<std::string> allowed = tracker ? std::set<std::string>{"heads", "inst", "data", "threshold", "name"}
-                                                : std::set<std::string>{"layers", "window", "threshold", "name"};
+  const std::set<std::string> allowed =
+      tracker                       ? std::set<std::string>{"heads", "inst", "data", "threshold", "name"}
+      : out.kind == "attn-entropy" ? std::set<std::string>{"layers", "window", "threshold", "name"}
+                                   : std::set<std::string>{"layers", "site", "z", "warmup", "name"};
   for (const auto& [k, v] : out.args)
     DMI_CHECK(allowed.count(k), "--monitor {}: unknown key '{}' (allowed: {})", s, k, fmt::join(allowed, ", "));
   if (tracker)
@@ -315,6 +317,115 @@ class AttnEntropy final : public Monitor {
   std::vector<double> seq_, pos_, entropy_;
 };
 
+// Per layer, the L2 norm of each captured residual row and its z-score
+// against the running mean and standard deviation of the rows before it
+// (Welford, float64, in the order rows reach the writer: per layer, the
+// order of the site's rows in the file). Flags |z| > z once warmup rows are
+// in.
+class ResidNorm final : public Monitor {
+ public:
+  ResidNorm(const std::string& spec, const MonitorSetup& setup, std::FILE* const* log) : spec_(spec), log_(log) {
+    Spec p = parse_spec(spec);
+    name_ = monitor_name(spec, p);
+    if (p.args.count("z")) z_ = parse_threshold(spec, p.args["z"]);
+    DMI_CHECK(z_ > 0, "--monitor {}: z={} must be greater than 0", spec, z_);
+    if (p.args.count("warmup")) {
+      const std::string& w = p.args["warmup"];
+      DMI_CHECK(!w.empty() && w.size() < 9 && w.find_first_not_of("0123456789") == std::string::npos && std::stol(w) >= 2,
+                "--monitor {}: warmup={} is not a count of rows (2 or more)", spec, w);
+      warmup_ = std::stol(w);
+    }
+    const std::string site = p.args.count("site") ? p.args["site"] : "resid_post";
+    const std::set<std::string> sites{"resid_pre", "resid_mid", "resid_post"};
+    DMI_CHECK(sites.count(site), "--monitor {}: site={} is not resid_pre, resid_mid or resid_post", spec, site);
+    suffix_ = ".hook_" + site;
+    std::set<int> wanted;
+    int most = 0;
+    for (const auto& st : setup.streams) most = std::max(most, st.layer + 1);
+    if (p.args.count("layers"))
+      for (auto l : hooks::parse_index_set(p.args["layers"], most, "layers")) wanted.insert(static_cast<int>(l));
+    for (std::size_t s = 0; s < setup.streams.size(); ++s) {
+      const auto& st = setup.streams[s];
+      if (st.name.size() < suffix_.size() || st.name.compare(st.name.size() - suffix_.size(), suffix_.size(), suffix_))
+        continue;
+      if (!wanted.empty() && !wanted.count(st.layer)) continue;
+      const auto k = static_cast<std::uint16_t>(s);
+      layer_of_[k] = static_cast<int>(layers_.size());
+      layers_.push_back(st.layer);
+      width_[k] = st.row_shape[0];
+      dtype_[k] = st.dtype;
+    }
+    DMI_CHECK(!layers_.empty() && (wanted.empty() || layers_.size() == wanted.size()), "--monitor {}: the capture "
+              "lacks {} of {} (add --hooks {})", spec, site, wanted.empty() ? "every layer" : "layers=" + p.args["layers"],
+              site);
+    stats_.resize(layers_.size());
+  }
+
+  void rows(std::uint16_t stream, std::uint32_t n, const std::int32_t* seq, const std::int32_t* pos,
+            const void* data) override {
+    auto it = layer_of_.find(stream);
+    if (it == layer_of_.end()) return;
+    const std::int64_t d = width_.at(stream);
+    const at::Tensor x = at::from_blob(const_cast<void*>(data), {static_cast<std::int64_t>(n), d}, dtype_.at(stream))
+                             .to(at::kFloat)
+                             .contiguous();
+    Stats& st = stats_[it->second];
+    for (std::uint32_t r = 0; r < n; ++r) {
+      const float* row = x.data_ptr<float>() + static_cast<std::int64_t>(r) * d;
+      double ss = 0;
+      for (std::int64_t i = 0; i < d; ++i) ss += static_cast<double>(row[i]) * row[i];
+      const double norm = std::sqrt(ss);
+      double z = std::numeric_limits<double>::quiet_NaN();
+      if (st.n >= warmup_ && st.m2 > 0) z = (norm - st.mean) / std::sqrt(st.m2 / static_cast<double>(st.n));
+      // Welford
+      st.n += 1;
+      const double delta = norm - st.mean;
+      st.mean += delta / static_cast<double>(st.n);
+      st.m2 += delta * (norm - st.mean);
+      seq_.push_back(seq[r]);
+      pos_.push_back(pos[r]);
+      layer_.push_back(layers_[it->second]);
+      norm_.push_back(norm);
+      zs_.push_back(z);
+      if (std::abs(z) > z_) {
+        ++outliers_;
+        nlohmann::json line = {{"monitor", "resid-norm"}, {"name", name_}, {"seq", seq[r]}, {"pos", pos[r]},
+                               {"layer", layers_[it->second]}, {"norm", norm}, {"z", z}, {"flagged", true}};
+        std::fprintf(*log_, "%s\n", line.dump().c_str());
+        std::fflush(*log_);
+      }
+    }
+  }
+
+  sink::ResultTable table() const override {
+    sink::ResultTable t;
+    t.group = "monitors/" + name_;
+    t.attrs = {{"monitor", "resid-norm"}, {"spec", spec_}, {"site", suffix_.substr(1)},
+               {"layers", nlohmann::json(layers_).dump()}, {"z", nlohmann::json(z_).dump()},
+               {"warmup", std::to_string(warmup_)}, {"outliers", std::to_string(outliers_)}};
+    const auto n = static_cast<std::int64_t>(seq_.size());
+    t.columns = {{"seq", {n}, seq_, true},     {"pos", {n}, pos_, true}, {"layer", {n}, layer_, true},
+                 {"norm", {n}, norm_, false}, {"z", {n}, zs_, false}};
+    return t;
+  }
+
+ private:
+  struct Stats {
+    std::int64_t n = 0;
+    double mean = 0, m2 = 0;
+  };
+  std::string spec_, name_, suffix_;
+  std::FILE* const* log_;
+  double z_ = 4.0;
+  std::int64_t warmup_ = 32, outliers_ = 0;
+  std::vector<int> layers_;
+  std::map<std::uint16_t, int> layer_of_;
+  std::map<std::uint16_t, std::int64_t> width_;
+  std::map<std::uint16_t, at::ScalarType> dtype_;
+  std::vector<Stats> stats_;
+  std::vector<double> seq_, pos_, layer_, norm_, zs_;
+};
+
 class MonitorSink final : public sink::Sink {
  public:
   // Checks every monitor, then opens the log, then makes the inner sink (so
@@ -323,6 +434,7 @@ class MonitorSink final : public sink::Sink {
     std::set<std::string> names;
     for (const auto& spec : setup.specs) {
       if (spec.rfind("attn-entropy", 0) == 0) monitors_.push_back(std::make_unique<AttnEntropy>(spec, setup, &log_));
+      else if (spec.rfind("resid-norm", 0) == 0) monitors_.push_back(std::make_unique<ResidNorm>(spec, setup, &log_));
       else monitors_.push_back(std::make_unique<AttnTracker>(spec, setup, &log_));
       const std::string name = monitors_.back()->table().group;
       DMI_CHECK(names.insert(name).second, "--monitor {}: two monitors store /{}; give one a name=", spec, name);

@@ -6,6 +6,7 @@
 //
 //   attn-tracker:heads=FILE,inst=SPAN,data=SPAN[,threshold=0.5][,name=N]
 //   attn-entropy[:layers=L][,window=16][,threshold=0.5][,name=N]
+//   resid-norm[:site=resid_post][,layers=L][,z=4][,warmup=32][,name=N]
 //
 // The Attention Tracker's offline twin is in dmi-inspect
 // (analysis/attn_tracker.h): both compute with the same function over the

@@ -5,7 +5,7 @@ read with h5py.
 
   monitors_test.py BIN_DIR TEST_MODELS CASE
 
-Cases: score, select, online, entropy, bad-input.
+Cases: score, select, online, entropy, resid, bad-input.
 """
 import json
 import os
@@ -228,6 +228,55 @@ def case_entropy():
         print(f"threshold {threshold} window {window}: {len(got)} token rows equal numpy; flags at {list(flag_pos)}")
 
 
+def case_resid():
+    """resid-norm: per layer, each row's L2 norm and its z-score against the
+    running statistics of the rows before it, replayed with numpy in the
+    order of the site's rows in the file; outliers flagged past warmup."""
+    prompts = ["Define the word. DATA: a cat", "abc", "zzzzzzzzzzzzzzzz"]
+    log = os.path.join(tmp, "resid.jsonl")
+    path = os.path.join(tmp, "resid.h5")
+    args = ["--model", MODEL, "-n", "8", "--hooks", "resid_post,resid_pre", "-o", path, "-q", "-b", "2",
+            "--capture-dtype", "bfloat16", "--monitor-log", log, "--monitor", "resid-norm:z=1.5,warmup=4",
+            "--monitor", "resid-norm:site=resid_pre,layers=1,name=pre"]
+    for p in prompts:
+        args += ["--prompt", p]
+    run(DMI_RUN, *args)
+    lines = [json.loads(x) for x in open(log)]
+    with h5py.File(path, "r") as f:
+        for name, site, layers, z_lim, warmup in (("resid-norm", "hook_resid_post", [0, 1], 1.5, 4),
+                                                  ("pre", "hook_resid_pre", [1], 4.0, 32)):
+            m = f["monitors"][name]
+            if json.loads(m.attrs["layers"]) != layers or m.attrs["site"] != site:
+                fail(f"{name}: attributes {dict(m.attrs)}")
+            layer_col, seq_col, pos_col = m["layer"][:], m["seq"][:], m["pos"][:]
+            norm_col, z_col = m["norm"][:], m["z"][:]
+            flagged = set()
+            for layer in layers:
+                g = f["sites"][f"blocks.{layer}.{site}"]
+                x = g["data"][:].astype(np.float64)
+                sel = layer_col == layer
+                if not (np.array_equal(seq_col[sel], g["seq"][:]) and np.array_equal(pos_col[sel], g["pos"][:])):
+                    fail(f"{name} layer {layer}: rows not in the file's order")
+                norms = np.sqrt((x * x).sum(axis=1))
+                if not np.allclose(norm_col[sel], norms, rtol=1e-12, atol=0):
+                    fail(f"{name} layer {layer}: norms differ from numpy")
+                want_z = np.full(len(norms), np.nan)
+                for i in range(warmup, len(norms)):
+                    prev = norms[:i]
+                    if prev.std() > 0:
+                        want_z[i] = (norms[i] - prev.mean()) / prev.std()
+                got_z = z_col[sel]
+                if not np.array_equal(np.isnan(got_z), np.isnan(want_z)) or \
+                        not np.allclose(got_z[~np.isnan(got_z)], want_z[~np.isnan(want_z)], rtol=1e-9, atol=1e-12):
+                    fail(f"{name} layer {layer}: z {got_z[:12]}, numpy {want_z[:12]}")
+                for i in np.nonzero(np.abs(np.nan_to_num(want_z)) > z_lim)[0]:
+                    flagged.add((int(g["seq"][i]), int(g["pos"][i]), layer))
+            logged = {(x["seq"], x["pos"], x["layer"]) for x in lines if x["name"] == name}
+            if logged != flagged or int(m.attrs["outliers"]) != len(flagged):
+                fail(f"{name}: flagged {sorted(logged)[:6]}, numpy {sorted(flagged)[:6]}")
+            print(f"{name}: {len(norm_col)} rows' norms and z-scores equal numpy; {len(flagged)} outliers flagged")
+
+
 def case_bad_input():
     path = capture("benign.h5", BENIGN[:2])
     no_pattern = capture("resid.h5", BENIGN[:1], hooks="resid_post")
@@ -257,7 +306,10 @@ def case_bad_input():
             (["--hooks", "pattern", "--tokens", "last-prompt", "--monitor", "attn-entropy"], "generated"),
             (["--hooks", "resid_post", "--monitor", "attn-entropy"], "pattern"),
             (["--hooks", "pattern", "--monitor", "attn-entropy:window=0"], "window=0"),
-            (["--hooks", "pattern", "--monitor", "attn-entropy:heads=x"], "unknown key")):
+            (["--hooks", "pattern", "--monitor", "attn-entropy:heads=x"], "unknown key"),
+            (["--hooks", "resid_pre", "--monitor", "resid-norm"], "resid_post"),
+            (["--hooks", "resid_post", "--monitor", "resid-norm:z=-1"], "z=-1"),
+            (["--hooks", "resid_post", "--monitor", "resid-norm:site=mlp_out"], "site=mlp_out")):
         r = run(DMI_RUN, "--model", MODEL, "--prompt", BENIGN[0], "-n", "1", "-o", out, *extra, expect_rc=2)
         lines = r.stderr.strip().splitlines()
         if len(lines) != 1 or needle not in lines[0] or os.path.exists(out):
@@ -273,6 +325,6 @@ def case_bad_input():
     print("bad heads files, spans, sequences and captures without patterns: exit 2 naming the problem")
 
 
-{"score": case_score, "select": case_select, "online": case_online, "entropy": case_entropy,
+{"score": case_score, "select": case_select, "online": case_online, "entropy": case_entropy, "resid": case_resid,
  "bad-input": case_bad_input}[case]()
 print("ok")

@@ -426,9 +426,10 @@ int main(int argc, char** argv) {
       ->check(dmi::apps::kPositive);
   cap->add_option("--monitor", a.capture.monitors,
                   "online monitor over the captured rows, on the writer thread (repeatable; docs/monitors.md): "
-                  "attn-tracker:heads=FILE,inst=SPAN,data=SPAN[,threshold=0.5][,name=N], "
-                  "attn-entropy[:layers=L][,window=16][,threshold=0.5][,name=N], "
-                  "resid-norm[:site=resid_post][,layers=L][,z=4][,warmup=32][,name=N]")
+                  "attn-tracker:heads=FILE,inst=SPAN,data=SPAN[,threshold=0.5], "
+                  "attn-entropy[:layers=L][,window=16][,threshold=0.5], "
+                  "resid-norm[:site=resid_post][,layers=L][,z=4][,warmup=32]; each also [,name=N][,action=log|stop] "
+                  "(stop ends a flagged sequence: finish_reason monitor)")
       ->allow_extra_args(false);
   cap->add_option("--monitor-log", a.capture.monitor_log, "write the monitors' JSON lines here instead of stderr");
   cap->add_option("--on-full", a.capture.on_full, "block (lossless) or drop (never stalls; drops are counted)")

@@ -55,11 +55,13 @@ Spec parse_spec(const std::string& s) {
   }
   const bool tracker = out.kind == "attn-tracker";
   const std::set<std::string> allowed =
-      tracker                       ? std::set<std::string>{"heads", "inst", "data", "threshold", "name"}
-      : out.kind == "attn-entropy" ? std::set<std::string>{"layers", "window", "threshold", "name"}
-                                   : std::set<std::string>{"layers", "site", "z", "warmup", "name"};
+      tracker                       ? std::set<std::string>{"heads", "inst", "data", "threshold", "name", "action"}
+      : out.kind == "attn-entropy" ? std::set<std::string>{"layers", "window", "threshold", "name", "action"}
+                                   : std::set<std::string>{"layers", "site", "z", "warmup", "name", "action"};
   for (const auto& [k, v] : out.args)
     DMI_CHECK(allowed.count(k), "--monitor {}: unknown key '{}' (allowed: {})", s, k, fmt::join(allowed, ", "));
+  DMI_CHECK(!out.args.count("action") || out.args["action"] == "log" || out.args["action"] == "stop",
+            "--monitor {}: action={} is not log or stop", s, out.args["action"]);
   if (tracker)
     for (const char* k : {"heads", "inst", "data"})
       DMI_CHECK(out.args.count(k) && !out.args[k].empty(), "--monitor {}: attn-tracker needs {}=", s, k);
@@ -83,10 +85,26 @@ std::string monitor_name(const std::string& spec, Spec& p);
 
 class Monitor {
  public:
+  Monitor(const std::string& spec, const MonitorSetup& setup)
+      : stop_(parse_spec(spec).args["action"] == "stop"), flags_(setup.stop_flags), n_(setup.prompts.size()) {}
   virtual ~Monitor() = default;
   virtual void rows(std::uint16_t stream, std::uint32_t n, const std::int32_t* seq, const std::int32_t* pos,
                     const void* data) = 0;
   virtual sink::ResultTable table() const = 0;
+
+ protected:
+  // A sequence was flagged: with action=stop, ask the generator to end it.
+  // Returns the action, for the JSON line.
+  const char* act(std::int32_t seq) {
+    if (!stop_) return "log";
+    if (flags_ && seq >= 0 && static_cast<std::size_t>(seq) < n_) flags_[seq].store(true, std::memory_order_relaxed);
+    return "stop";
+  }
+
+ private:
+  bool stop_;
+  std::atomic<bool>* flags_;
+  std::size_t n_;
 };
 
 // The Attention Tracker online: the same focus() over the same stored
@@ -94,7 +112,8 @@ class Monitor {
 class AttnTracker final : public Monitor {
  public:
   // log: where the JSON lines go (set once every monitor is checked).
-  AttnTracker(const std::string& spec, const MonitorSetup& setup, std::FILE* const* log) : spec_(spec), log_(log) {
+  AttnTracker(const std::string& spec, const MonitorSetup& setup, std::FILE* const* log)
+      : Monitor(spec, setup), spec_(spec), log_(log) {
     Spec p = parse_spec(spec);
     name_ = monitor_name(spec, p);
     heads_ = read_tracker_heads(p.args["heads"]);
@@ -178,8 +197,10 @@ class AttnTracker final : public Monitor {
     double sum = 0;
     for (double v : a_[s]) sum += v;
     score_[s] = sum / static_cast<double>(a_[s].size());
+    const bool flagged = score_[s] <= threshold_;
     nlohmann::json line = {{"monitor", "attn-tracker"}, {"name", name_}, {"seq", s}, {"pos", last_[s]},
-                           {"score", score_[s]}, {"flagged", score_[s] <= threshold_}, {"a", a_[s]}};
+                           {"score", score_[s]}, {"flagged", flagged}, {"a", a_[s]}};
+    if (flagged) line["action"] = act(s);
     std::fprintf(*log_, "%s\n", line.dump().c_str());
     std::fflush(*log_);
   }
@@ -210,7 +231,8 @@ std::string monitor_name(const std::string& spec, Spec& p) {
 // threshold for `window` generated tokens in a row (attention collapse).
 class AttnEntropy final : public Monitor {
  public:
-  AttnEntropy(const std::string& spec, const MonitorSetup& setup, std::FILE* const* log) : spec_(spec), log_(log) {
+  AttnEntropy(const std::string& spec, const MonitorSetup& setup, std::FILE* const* log)
+      : Monitor(spec, setup), spec_(spec), log_(log) {
     Spec p = parse_spec(spec);
     name_ = monitor_name(spec, p);
     if (p.args.count("threshold")) threshold_ = parse_threshold(spec, p.args["threshold"]);
@@ -297,7 +319,7 @@ class AttnEntropy final : public Monitor {
     if (run_[s] >= window_ && flag_pos_[s] < 0) {
       flag_pos_[s] = p;
       nlohmann::json line = {{"monitor", "attn-entropy"}, {"name", name_}, {"seq", s}, {"pos", p},
-                             {"flagged", true}, {"entropy", mean}, {"window", window_}};
+                             {"flagged", true}, {"entropy", mean}, {"window", window_}, {"action", act(s)}};
       std::fprintf(*log_, "%s\n", line.dump().c_str());
       std::fflush(*log_);
     }
@@ -324,7 +346,8 @@ class AttnEntropy final : public Monitor {
 // in.
 class ResidNorm final : public Monitor {
  public:
-  ResidNorm(const std::string& spec, const MonitorSetup& setup, std::FILE* const* log) : spec_(spec), log_(log) {
+  ResidNorm(const std::string& spec, const MonitorSetup& setup, std::FILE* const* log)
+      : Monitor(spec, setup), spec_(spec), log_(log) {
     Spec p = parse_spec(spec);
     name_ = monitor_name(spec, p);
     if (p.args.count("z")) z_ = parse_threshold(spec, p.args["z"]);
@@ -390,7 +413,8 @@ class ResidNorm final : public Monitor {
       if (std::abs(z) > z_) {
         ++outliers_;
         nlohmann::json line = {{"monitor", "resid-norm"}, {"name", name_}, {"seq", seq[r]}, {"pos", pos[r]},
-                               {"layer", layers_[it->second]}, {"norm", norm}, {"z", z}, {"flagged", true}};
+                               {"layer", layers_[it->second]}, {"norm", norm}, {"z", z}, {"flagged", true},
+                               {"action", act(seq[r])}};
         std::fprintf(*log_, "%s\n", line.dump().c_str());
         std::fflush(*log_);
       }
@@ -473,6 +497,8 @@ class MonitorSink final : public sink::Sink {
 }  // namespace
 
 void check_monitor_syntax(const std::string& spec) { parse_spec(spec); }
+
+bool monitor_stops(const std::string& spec) { return parse_spec(spec).args["action"] == "stop"; }
 
 std::unique_ptr<sink::Sink> make_monitor_sink(const std::function<std::unique_ptr<sink::Sink>()>& make_inner,
                                               const MonitorSetup& setup) {

@@ -95,12 +95,17 @@ CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, const
   monitors.streams = point_->streams();
   monitors.prompt_rows = prompt_rows;
   monitors.generated_rows = generated_rows;
+  n_stops_ = info.prompt_ids.size();
+  stops_ = std::make_unique<std::atomic<bool>[]>(n_stops_);
+  for (std::size_t i = 0; i < n_stops_; ++i) stops_[i].store(false);
+  monitors.stop_flags = stops_.get();
   sink_ = analysis::make_monitor_sink(
       [&] {
         return c.sink == "null" ? sink::make_null_sink()
                                 : sink::make_hdf5_sink(c.output, info, sink::Hdf5Options{c.compression, c.flush_every});
       },
       monitors);
+  for (const auto& m : c.monitors) stops_on_ = stops_on_ || analysis::monitor_stops(m);
   // The sites' streams, then the token log's.
   std::vector<sink::StreamInfo> streams = point_->streams();
   token_stream_ = static_cast<std::uint16_t>(streams.size());

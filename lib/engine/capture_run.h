@@ -2,6 +2,7 @@
 // assembled from dmi-run's flags and torn down with the right file status.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -66,6 +67,9 @@ class CaptureRun {
   void log_tokens(std::int32_t step, const std::vector<std::int32_t>& seq, const std::vector<std::int32_t>& pos,
                   const std::vector<std::int32_t>& ids);
   const std::vector<sink::StreamInfo>& streams() const { return point_->streams(); }
+  // Monitors with action=stop: whether one has asked to end sequence seq.
+  bool stops_sequences() const { return stops_on_; }
+  bool monitor_stopped(std::size_t seq) const { return seq < n_stops_ && stops_[seq].load(std::memory_order_relaxed); }
   // Drains the ring and closes the sink with `status` (complete, interrupted
   // or failed). If draining fails, the file is closed as failed and the
   // error rethrown.
@@ -83,6 +87,9 @@ class CaptureRun {
   std::uint16_t token_stream_ = 0;     // after the sites' streams
   std::uint64_t token_records_ = 0;    // not counted as records written
   bool finished_ = false;
+  std::unique_ptr<std::atomic<bool>[]> stops_;  // per sequence, set by monitors on the writer thread
+  std::size_t n_stops_ = 0;
+  bool stops_on_ = false;
 };
 
 }  // namespace dmi::engine

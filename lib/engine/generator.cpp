@@ -164,7 +164,9 @@ void Generator::run_batch(const std::vector<std::vector<std::int32_t>>& prompts,
       else if (made >= budget[b]) why = "context";
       else if (!opts_.interrupt_after.empty() && opts_.interrupt_after[members[b]] >= 0 &&
                made >= opts_.interrupt_after[members[b]])
-        why = "interrupted";
+        why = opts_.interrupt_reason.empty() ? "interrupted" : opts_.interrupt_reason[members[b]].c_str();
+      else if (opts_.stop_sequence && opts_.stop_sequence(members[b]))
+        why = "monitor";
       if (why) {
         r.finish_reason = why;
         done[b] = true;

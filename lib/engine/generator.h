@@ -40,6 +40,13 @@ struct GenerateOptions {
   // many new tokens (-1: no limit).
   std::vector<std::vector<std::size_t>> batches;
   std::vector<std::int64_t> interrupt_after;
+  // The finish_reason interrupt_after gives, per prompt (default
+  // "interrupted"; replay reproduces a monitor's stop as "monitor").
+  std::vector<std::string> interrupt_reason;
+  // Asked after each token a sequence gets (with its index among the
+  // prompts): true ends it with finish_reason "monitor" (dmi-run --monitor
+  // ...,action=stop).
+  std::function<bool(std::size_t seq)> stop_sequence;
 };
 
 struct SequenceResult {

@@ -417,9 +417,14 @@ ReplayResult replay(const ReplayOptions& o, const std::atomic<bool>* stop,
     if (o.mode == "exact") {
       job.batches = batches;
       job.interrupt_after.assign(n, -1);
+      job.interrupt_reason.assign(n, "interrupted");
+      // A monitor's stop (action=stop) came from the writer thread at a step
+      // timing decided; the replay stops there itself.
       for (auto i : r.replayed)
-        if (f.finish_reason(i) == "interrupted" || f.finish_reason(i) == "failed")
+        if (f.finish_reason(i) == "interrupted" || f.finish_reason(i) == "failed" || f.finish_reason(i) == "monitor") {
           job.interrupt_after[i] = static_cast<std::int64_t>(f.tokens(i).size()) - f.prompt_length(i);
+          if (f.finish_reason(i) == "monitor") job.interrupt_reason[i] = "monitor";
+        }
       RunOutput out = run_job(s, m, job, stop, on_progress);
       r.results = std::move(out.results);
       r.timings = out.timings;

@@ -151,6 +151,7 @@ RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const st
   opts.on_progress = std::move(on_progress);
   opts.batches = job.batches;
   opts.interrupt_after = job.interrupt_after;
+  opts.interrupt_reason = job.interrupt_reason;
 
   auto hooks = make_hooks(s, m, job.prompts);
   // Capture: the file is created only now, after all input was checked.
@@ -172,6 +173,8 @@ RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const st
                                          const std::vector<std::int32_t>& pos, const std::vector<std::int32_t>& ids) {
       c->log_tokens(step, seq, pos, ids);
     };
+    if (capture->stops_sequences())
+      opts.stop_sequence = [c = capture.get()](std::size_t seq) { return c->monitor_stopped(seq); };
   }
   if (hooks->intervener)
     hooks->chain = std::make_unique<hooks::HookChain>(hooks->intervener.get(), capture ? capture->observer() : nullptr,

@@ -62,6 +62,7 @@ struct Job {
   // see GenerateOptions.
   std::vector<std::vector<std::size_t>> batches;
   std::vector<std::int64_t> interrupt_after;
+  std::vector<std::string> interrupt_reason;
   // Root attributes added to the capture's (replay_of, ...).
   std::vector<std::pair<std::string, std::string>> extra_attributes;
   // Attention row width of the capture; 0: the longest sequence this run can

@@ -5,7 +5,7 @@ read with h5py.
 
   monitors_test.py BIN_DIR TEST_MODELS CASE
 
-Cases: score, select, online, entropy, resid, bad-input.
+Cases: score, select, online, entropy, resid, stop, bad-input.
 """
 import json
 import os
@@ -21,6 +21,7 @@ DMI_RUN = os.path.join(bindir, "dmi-run")
 DMI_INSPECT = os.path.join(bindir, "dmi-inspect")
 MODEL = os.path.join(models, "qwen3-untied-f32")  # byte-level tokenizer: token i is byte i of the prompt
 tmp = tempfile.mkdtemp(prefix="dmi-tracker-")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 INST = "Define the word."
 BENIGN = [INST + " DATA: love is blind", INST + " DATA: a cat", INST + " DATA: the sea at night",
           INST + " DATA: old bread"]
@@ -277,6 +278,48 @@ def case_resid():
             print(f"{name}: {len(norm_col)} rows' norms and z-scores equal numpy; {len(flagged)} outliers flagged")
 
 
+def case_stop():
+    """action=stop ends flagged sequences (finish_reason "monitor") and no
+    others; an exact replay of such a capture reproduces it bit for bit."""
+    hfile = os.path.join(tmp, "heads.json")
+    with open(hfile, "w") as f:
+        json.dump([[0, 1], [1, 2]], f)
+    # The stop lands once the writer thread has seen the flagged rows (it
+    # wakes every 20 ms or 64 records): the default model's 300 steps take
+    # far longer than that.
+    n_new = 300
+    model = os.path.join(ROOT, "data", "default-model")
+    for threshold, want in (("1.0", "monitor"), ("-1", "length")):
+        path = os.path.join(tmp, f"stop{threshold}.h5")
+        args = ["--model", model, "-n", str(n_new), "--ignore-eos", "--hooks", "pattern", "--tokens", "last-prompt",
+                "-o", path, "-b", "2", "--json", "--monitor-log", os.path.join(tmp, "stop.jsonl"), "--monitor",
+                f"attn-tracker:heads={hfile},inst=0:2,data=2:,threshold={threshold},action=stop"]
+        for p in ("LOVE, n.", "WAR, n.", "PEACE, n."):
+            args += ["--prompt", p]
+        j = json.loads(run(DMI_RUN, *args).stdout)
+        for s in j["sequences"]:
+            n = len(s["output_ids"])
+            if s["finish_reason"] != want or (want == "monitor" and not 1 <= n < n_new) or \
+                    (want == "length" and n != n_new):
+                fail(f"threshold {threshold} seq {s['index']}: {s['finish_reason']} after {n} tokens, want {want}")
+        lines = [json.loads(x) for x in open(os.path.join(tmp, "stop.jsonl"))]
+        if want == "monitor" and not all(x.get("action") == "stop" for x in lines):
+            fail(f"JSON lines {lines}")
+        with h5py.File(path, "r") as f:
+            reasons = [r.decode() if isinstance(r, bytes) else r for r in f["sequences"]["finish_reason"][:]]
+        if reasons != [want] * 3:
+            fail(f"file finish_reason {reasons}")
+        print(f"threshold {threshold}: every sequence {want} "
+              f"({[len(s['output_ids']) for s in j['sequences']]} tokens)")
+    path = os.path.join(tmp, "stop1.0.h5")
+    rj = json.loads(run(DMI_RUN, "--replay", path, "--verify", "--json", "-o", os.path.join(tmp, "replayed.h5")).stdout)
+    with h5py.File(os.path.join(tmp, "replayed.h5"), "r") as f:
+        reasons = [r.decode() if isinstance(r, bytes) else r for r in f["sequences"]["finish_reason"][:]]
+    if reasons != ["monitor"] * 3:
+        fail(f"replay finish_reason {reasons}; {json.dumps(rj)[:600]}")
+    print("an exact replay of the stopped run is bit-identical and stops where it stopped")
+
+
 def case_bad_input():
     path = capture("benign.h5", BENIGN[:2])
     no_pattern = capture("resid.h5", BENIGN[:1], hooks="resid_post")
@@ -309,7 +352,8 @@ def case_bad_input():
             (["--hooks", "pattern", "--monitor", "attn-entropy:heads=x"], "unknown key"),
             (["--hooks", "resid_pre", "--monitor", "resid-norm"], "resid_post"),
             (["--hooks", "resid_post", "--monitor", "resid-norm:z=-1"], "z=-1"),
-            (["--hooks", "resid_post", "--monitor", "resid-norm:site=mlp_out"], "site=mlp_out")):
+            (["--hooks", "resid_post", "--monitor", "resid-norm:site=mlp_out"], "site=mlp_out"),
+            (["--hooks", "resid_post", "--monitor", "resid-norm:action=halt"], "action=halt")):
         r = run(DMI_RUN, "--model", MODEL, "--prompt", BENIGN[0], "-n", "1", "-o", out, *extra, expect_rc=2)
         lines = r.stderr.strip().splitlines()
         if len(lines) != 1 or needle not in lines[0] or os.path.exists(out):
@@ -326,5 +370,5 @@ def case_bad_input():
 
 
 {"score": case_score, "select": case_select, "online": case_online, "entropy": case_entropy, "resid": case_resid,
- "bad-input": case_bad_input}[case]()
+ "stop": case_stop, "bad-input": case_bad_input}[case]()
 print("ok")

@@ -77,6 +77,7 @@ int main(int argc, char** argv) {
       "  dmi-bench --hooks residual --hooks full --modes off,null,async --repeats 5\n"
       "  dmi-bench --modes off,off2,async,sync --repeats 15       # with the noise floor\n"
       "  dmi-bench --modes off,off2,steer --batch-sizes 8 --repeats 15   # what --steer costs\n"
+      "  dmi-bench --hooks resid_post,pattern --modes off,async,monitor --monitor resid-norm --monitor attn-entropy\n"
       "  /usr/bin/python3 scripts/plot_bench.py r.json r.png   # overhead vs batch size per mode\n"
       "\nExit status: 0 ok, 2 bad input.");
   std::string model_dir, hook_map, dtype = "bfloat16", batches = "1,8", modes = "off,null,async,sync,materialize", json_out,
@@ -103,6 +104,8 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_out, "write every run and the summary as JSON to this file");
   app.add_option("--tmp-dir", tmp_dir, "where HDF5 files of the async/sync/materialize runs go (deleted after)")
       ->capture_default_str();
+  app.add_option("--monitor", cfg.monitors, "monitor specs for the monitor mode, as dmi-run --monitor (repeatable; "
+                 "default resid-norm; token-range spans only)")->allow_extra_args(false);
   app.add_flag("-q,--quiet", quiet, "no progress on stderr");
   if (int rc = dmi::apps::parse_args("dmi-bench", app, argc, argv); rc >= 0) return rc;
   dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(dtype));

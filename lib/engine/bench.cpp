@@ -11,6 +11,7 @@
 #include <map>
 #include <random>
 
+#include "analysis/monitors.h"
 #include "common/error.h"
 #include "hooks/intervene.h"
 #include "engine/capture_run.h"
@@ -78,8 +79,10 @@ double measure_read_bandwidth_gbs() {
 void validate_bench_config(const BenchConfig& cfg) {
   DMI_CHECK(!cfg.modes.empty(), "--modes selects no mode");
   for (const auto& m : cfg.modes)
-    DMI_CHECK(m == "off2" || m == "steer" || std::find(bench_modes().begin(), bench_modes().end(), m) != bench_modes().end(),
-              "--modes: '{}' is not one of off, null, async, sync, materialize, steer (or off2)", m);
+    DMI_CHECK(m == "off2" || m == "steer" || m == "monitor" ||
+                  std::find(bench_modes().begin(), bench_modes().end(), m) != bench_modes().end(),
+              "--modes: '{}' is not one of off, null, async, sync, materialize, steer, monitor (or off2)", m);
+  for (const auto& s : cfg.monitors) analysis::check_monitor_syntax(s);
   DMI_CHECK(cfg.prompt_len >= 1 && cfg.new_tokens >= 1, "--prompt-len and --new-tokens must be at least 1");
 }
 
@@ -140,6 +143,11 @@ std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
             c.transport = mode == "sync" ? "sync" : mode == "materialize" ? "materialize" : "ring";
             sink::RunInfo info;
             info.text = {{"tool", "dmi-bench"}};
+            if (mode == "monitor") {
+              c.monitors = cfg.monitors.empty() ? std::vector<std::string>{"resid-norm"} : cfg.monitors;
+              c.monitor_log = file + ".monitors.jsonl";
+              info.prompt_ids = prompts;
+            }
             cap = std::make_unique<CaptureRun>(c, mc, model.site_space(), model.dtype(), cfg.prompt_len + cfg.new_tokens, info);
             o.observer = cap->observer();
           }
@@ -153,6 +161,7 @@ std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
           const double t2 = now();
           cap.reset();
           std::remove(file.c_str());
+          std::remove((file + ".monitors.jsonl").c_str());
           if (rep < 0) continue;  // warm-up
           const auto& t = gen.timings();
           BenchRun r;

@@ -17,7 +17,9 @@ namespace dmi::engine {
 // everything kept in memory, written after generation. --modes also accepts
 // off2: a second "off" run per repeat, whose overhead shows the noise floor,
 // and steer: nothing captured, one steering vector added at every layer's
-// output at every position (what --steer costs).
+// output at every position (what --steer costs), and monitor: async with
+// the online monitors of BenchConfig::monitors (what --monitor costs the
+// forward pass: nothing, if they keep up on the writer thread).
 const std::vector<std::string>& bench_modes();
 
 // A distribution-free 95 % confidence interval for the median of v (order
@@ -34,6 +36,8 @@ struct BenchConfig {
   int warmup = 1;
   std::uint64_t seed = 0;
   std::string tmp_dir = "/tmp";
+  // --monitor specs for the monitor mode (default: resid-norm).
+  std::vector<std::string> monitors;
 };
 
 struct BenchRun {

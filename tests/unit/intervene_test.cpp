@@ -144,6 +144,39 @@ TEST_CASE("head ablation and replacement on [B, T, H, D]") {
   CHECK(y[0][0].equal(z[0][0]));                // padding untouched
 }
 
+TEST_CASE("pattern rows replaced by key position, whatever the left padding") {
+  ForwardInfo info = prefill_info();  // row 0: sequence 4, left-padded by one column
+  at::Tensor p = at::rand({2, 2, 3, 3});  // [B, H, T, L]
+  Intervention rep;
+  rep.label = "test";
+  rep.kind = Intervention::Kind::replace;
+  rep.sites = {{Site::pattern, 0}};
+  rep.heads = {1};
+  // Key k of the source row holds 100 * seq + 10 * pos + k; width 4 (wider
+  // than the live rows, as a capture's attention_width).
+  rep.value = [](Site, int, std::int32_t seq, std::int64_t pos) {
+    return (at::arange(4, at::kFloat) + 100.0f * seq + 10.0f * pos).view({1, 4}).expand({2, 4}).contiguous();
+  };
+  Intervener in({rep}, prompt_lengths());
+  in.begin_forward(info);
+  at::Tensor y = in.intervene(Site::pattern, 0, p, info);
+  // Sequence 4, position 1 sits at column 2: keys 0, 1 at columns 1, 2; column 0 is padding (0).
+  CHECK(y[0][1][2][0].item<float>() == 0.0f);
+  CHECK(y[0][1][2][1].item<float>() == 410.0f);
+  CHECK(y[0][1][2][2].item<float>() == 411.0f);
+  // Sequence 7 (no padding), position 2: keys 0..2 at columns 0..2.
+  CHECK(y[1][1][2][0].item<float>() == 720.0f);
+  CHECK(y[1][1][2][2].item<float>() == 722.0f);
+  CHECK(y.select(1, 0).equal(p.select(1, 0)));  // head 0 kept
+  CHECK(y[0][1][0].equal(p[0][1][0]));           // the padding query row untouched
+  // A source row narrower than the position needs is an error naming the site.
+  Intervention narrow = rep;
+  narrow.value = [](Site, int, std::int32_t, std::int64_t) { return at::zeros({2, 1}); };
+  Intervener in2({narrow}, prompt_lengths());
+  in2.begin_forward(info);
+  CHECK_THROWS_WITH_AS(in2.intervene(Site::pattern, 0, p, info), doctest::Contains("hook_pattern"), dmi::Error);
+}
+
 TEST_CASE("vector files: safetensors and GGUF round trips, llama.cpp's rules") {
   dmi::io::SteeringVectors v;
   v.direction[1] = at::tensor(std::vector<float>{1, -2, 3}, at::kFloat);

@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cmath>
 #include <csignal>
@@ -117,11 +118,13 @@ int run(const Args& a) {
   info.command_line = a.command_line;
   info.fingerprint_json = nlohmann::json(m.fingerprint).dump();
 
-  std::size_t shown = 0;
+  // Progress at most once a second (nothing for sweeps shorter than that).
+  auto last = std::chrono::steady_clock::now();
   if (!a.quiet)
     o.on_progress = [&](std::size_t done, std::size_t total) {
-      if (done * 10 / total == shown * 10 / total && done != total) return;
-      shown = done;
+      const auto t = std::chrono::steady_clock::now();
+      if (t - last < std::chrono::seconds(1) || done == total) return;
+      last = t;
       std::fprintf(stderr, "dmi-patch: %zu/%zu patched runs\n", done, total);
     };
   analysis::PatchSweepResult r;

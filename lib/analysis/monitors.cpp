@@ -68,31 +68,64 @@ Spec parse_spec(const std::string& s) {
   return out;
 }
 
-double parse_threshold(const std::string& spec, const std::string& v) {
-  double t = 0;
-  try {
-    std::size_t used = 0;
-    t = std::stod(v, &used);
-    DMI_CHECK(used == v.size(), "");
-  } catch (const std::exception&) {
-    DMI_FAIL("--monitor {}: threshold={} is not a number", spec, v);
-  }
-  DMI_CHECK(std::isfinite(t), "--monitor {}: threshold={} is not a finite number", spec, v);
-  return t;
-}
-
-std::string monitor_name(const std::string& spec, Spec& p);
-
+// What every monitor shares: its spec, name and action, the JSON lines,
+// number arguments, the layers= set, and a record's rows as float32.
 class Monitor {
  public:
-  Monitor(const std::string& spec, const MonitorSetup& setup)
-      : stop_(parse_spec(spec).args["action"] == "stop"), flags_(setup.stop_flags), n_(setup.prompts.size()) {}
+  // log: where the JSON lines go (set once every monitor is checked).
+  Monitor(const std::string& spec, const MonitorSetup& setup, std::FILE* const* log)
+      : spec_(spec), p_(parse_spec(spec)), log_(log), flags_(setup.stop_flags), n_(setup.prompts.size()) {
+    name_ = p_.args.count("name") ? p_.args["name"] : p_.kind;
+    DMI_CHECK(!name_.empty() && name_.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-_") == std::string::npos,
+              "--monitor {}: name={} must be lowercase letters, digits, - and _", spec, name_);
+    stop_ = p_.args["action"] == "stop";
+  }
   virtual ~Monitor() = default;
   virtual void rows(std::uint16_t stream, std::uint32_t n, const std::int32_t* seq, const std::int32_t* pos,
                     const void* data) = 0;
   virtual sink::ResultTable table() const = 0;
+  const std::string& name() const { return name_; }
 
  protected:
+  // key= as a finite number, or fallback when absent.
+  double number(const std::string& key, double fallback) {
+    if (!p_.args.count(key)) return fallback;
+    const std::string& v = p_.args[key];
+    double t = 0;
+    std::size_t used = 0;
+    try {
+      t = std::stod(v, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    DMI_CHECK(used == v.size() && used > 0 && std::isfinite(t), "--monitor {}: {}={} is not a finite number", spec_,
+              key, v);
+    return t;
+  }
+  // key= as a whole number of at least lo, or fallback when absent.
+  std::int64_t count(const std::string& key, std::int64_t fallback, std::int64_t lo, const char* what) {
+    if (!p_.args.count(key)) return fallback;
+    const std::string& v = p_.args[key];
+    DMI_CHECK(!v.empty() && v.size() < 9 && v.find_first_not_of("0123456789") == std::string::npos &&
+                  std::stoll(v) >= lo,
+              "--monitor {}: {}={} is not a count of {} ({} or more)", spec_, key, v, what, lo);
+    return std::stoll(v);
+  }
+  // layers= as a set (empty: every layer).
+  std::set<int> layers(const MonitorSetup& setup) {
+    std::set<int> out;
+    if (!p_.args.count("layers")) return out;
+    int most = 0;
+    for (const auto& st : setup.streams) most = std::max(most, st.layer + 1);
+    for (auto l : hooks::parse_index_set(p_.args["layers"], most, "layers")) out.insert(static_cast<int>(l));
+    return out;
+  }
+  // A record's n rows of shape `shape` in the stored dtype, as float32.
+  static at::Tensor float_rows(const void* data, std::uint32_t n, std::vector<std::int64_t> shape,
+                               at::ScalarType dtype) {
+    shape.insert(shape.begin(), static_cast<std::int64_t>(n));
+    return at::from_blob(const_cast<void*>(data), shape, dtype).to(at::kFloat).contiguous();
+  }
   // A sequence was flagged: with action=stop, ask the generator to end it.
   // Returns the action, for the JSON line.
   const char* act(std::int32_t seq) {
@@ -100,28 +133,39 @@ class Monitor {
     if (flags_ && seq >= 0 && static_cast<std::size_t>(seq) < n_) flags_[seq].store(true, std::memory_order_relaxed);
     return "stop";
   }
+  void emit(nlohmann::json line) const {
+    line["monitor"] = p_.kind;
+    line["name"] = name_;
+    std::fprintf(*log_, "%s\n", line.dump().c_str());
+    std::fflush(*log_);
+  }
+  sink::ResultTable table_head(std::vector<std::pair<std::string, std::string>> attrs) const {
+    sink::ResultTable t;
+    t.group = "monitors/" + name_;
+    t.attrs = {{"monitor", p_.kind}, {"spec", spec_}};
+    t.attrs.insert(t.attrs.end(), attrs.begin(), attrs.end());
+    return t;
+  }
+
+  std::string spec_, name_;
+  Spec p_;
 
  private:
-  bool stop_;
+  std::FILE* const* log_;
   std::atomic<bool>* flags_;
   std::size_t n_;
+  bool stop_ = false;
 };
 
-// The Attention Tracker online: the same focus() over the same stored
-// values as `dmi-inspect attn-tracker`.
+// The Attention Tracker online: the same tracker_focus() over the same
+// stored values as `dmi-inspect attn-tracker`.
 class AttnTracker final : public Monitor {
  public:
-  // log: where the JSON lines go (set once every monitor is checked).
-  AttnTracker(const std::string& spec, const MonitorSetup& setup, std::FILE* const* log)
-      : Monitor(spec, setup), spec_(spec), log_(log) {
-    Spec p = parse_spec(spec);
-    name_ = monitor_name(spec, p);
-    heads_ = read_tracker_heads(p.args["heads"]);
-    inst_text_ = p.args["inst"];
-    data_text_ = p.args["data"];
-    const TokenSpan inst = TokenSpan::parse(inst_text_, "--monitor " + spec + ": inst");
-    const TokenSpan data = TokenSpan::parse(data_text_, "--monitor " + spec + ": data");
-    if (p.args.count("threshold")) threshold_ = parse_threshold(spec, p.args["threshold"]);
+  AttnTracker(const std::string& spec, const MonitorSetup& setup, std::FILE* const* log) : Monitor(spec, setup, log) {
+    heads_ = read_tracker_heads(p_.args["heads"]);
+    const TokenSpan inst = TokenSpan::parse(p_.args["inst"], "--monitor " + spec + ": inst");
+    const TokenSpan data = TokenSpan::parse(p_.args["data"], "--monitor " + spec + ": data");
+    threshold_ = number("threshold", 0.5);
     DMI_CHECK(setup.prompt_rows, "--monitor {}: attn-tracker reads the last prompt token's pattern; capture prompt "
               "positions (--tokens last-prompt, prompt or all)", spec);
     for (std::size_t i = 0; i < heads_.size(); ++i) {
@@ -133,8 +177,7 @@ class AttnTracker final : public Monitor {
         DMI_CHECK(heads_[i].head < st.row_shape[0], "--monitor {}: head {} of layer {} is out of range ({} heads)",
                   spec, heads_[i].head, heads_[i].layer, st.row_shape[0]);
         by_stream_[static_cast<std::uint16_t>(s)].push_back(i);
-        shape_[static_cast<std::uint16_t>(s)] = {st.row_shape[0], st.row_shape[1]};
-        dtype_[static_cast<std::uint16_t>(s)] = st.dtype;
+        streams_[static_cast<std::uint16_t>(s)] = st;
         found = true;
       }
       DMI_CHECK(found, "--monitor {}: the capture has no {} (add it: --hooks pattern --tokens last-prompt)", spec,
@@ -155,16 +198,14 @@ class AttnTracker final : public Monitor {
             const void* data) override {
     auto it = by_stream_.find(stream);
     if (it == by_stream_.end()) return;
-    const auto [H, W] = shape_.at(stream);
+    const sink::StreamInfo& st = streams_.at(stream);
+    const std::int64_t W = st.row_shape[1];
     at::Tensor rows;  // [n, H, W] float32, made only when a row is wanted
     for (std::uint32_t r = 0; r < n; ++r) {
       const std::int32_t s = seq[r];
       if (s < 0 || static_cast<std::size_t>(s) >= last_.size() || pos[r] != last_[s]) continue;
-      if (!rows.defined())
-        rows = at::from_blob(const_cast<void*>(data), {static_cast<std::int64_t>(n), H, W}, dtype_.at(stream))
-                   .to(at::kFloat)
-                   .contiguous();
-      const float* row = rows.data_ptr<float>() + static_cast<std::int64_t>(r) * H * W;
+      if (!rows.defined()) rows = float_rows(data, n, st.row_shape, st.dtype);
+      const float* row = rows[r].data_ptr<float>();
       for (std::size_t i : it->second) {
         if (!std::isnan(a_[s][i])) continue;
         a_[s][i] = tracker_focus(row + heads_[i].head * W, W, inst_[s], data_[s]);
@@ -174,12 +215,10 @@ class AttnTracker final : public Monitor {
   }
 
   sink::ResultTable table() const override {
-    sink::ResultTable t;
-    t.group = "monitors/" + name_;
     nlohmann::json heads = nlohmann::json::array();
     for (const auto& h : heads_) heads.push_back({h.layer, h.head});
-    t.attrs = {{"monitor", "attn-tracker"}, {"spec", spec_}, {"heads", heads.dump()}, {"inst", inst_text_},
-               {"data", data_text_}, {"threshold", nlohmann::json(threshold_).dump()}};
+    sink::ResultTable t = table_head({{"heads", heads.dump()}, {"inst", p_.args.at("inst")}, {"data", p_.args.at("data")},
+                                      {"threshold", nlohmann::json(threshold_).dump()}});
     const auto n = static_cast<std::int64_t>(score_.size()), k = static_cast<std::int64_t>(heads_.size());
     sink::ResultTable::Column score{"score", {n}, score_, false};
     sink::ResultTable::Column flagged{"flagged", {n}, {}, true};
@@ -198,20 +237,15 @@ class AttnTracker final : public Monitor {
     for (double v : a_[s]) sum += v;
     score_[s] = sum / static_cast<double>(a_[s].size());
     const bool flagged = score_[s] <= threshold_;
-    nlohmann::json line = {{"monitor", "attn-tracker"}, {"name", name_}, {"seq", s}, {"pos", last_[s]},
-                           {"score", score_[s]}, {"flagged", flagged}, {"a", a_[s]}};
+    nlohmann::json line = {{"seq", s}, {"pos", last_[s]}, {"score", score_[s]}, {"flagged", flagged}, {"a", a_[s]}};
     if (flagged) line["action"] = act(s);
-    std::fprintf(*log_, "%s\n", line.dump().c_str());
-    std::fflush(*log_);
+    emit(line);
   }
 
-  std::string spec_, name_, inst_text_, data_text_;
-  std::FILE* const* log_;
   std::vector<TrackerHead> heads_;
   double threshold_ = 0.5;
   std::map<std::uint16_t, std::vector<std::size_t>> by_stream_;  // stream -> indexes into heads_
-  std::map<std::uint16_t, std::pair<std::int64_t, std::int64_t>> shape_;
-  std::map<std::uint16_t, at::ScalarType> dtype_;
+  std::map<std::uint16_t, sink::StreamInfo> streams_;
   std::vector<std::int64_t> last_;
   std::vector<std::pair<std::int64_t, std::int64_t>> inst_, data_;
   std::vector<std::vector<double>> a_;
@@ -219,47 +253,26 @@ class AttnTracker final : public Monitor {
   std::vector<double> score_;
 };
 
-std::string monitor_name(const std::string& spec, Spec& p) {
-  const std::string name = p.args.count("name") ? p.args["name"] : p.kind;
-  DMI_CHECK(!name.empty() && name.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-_") == std::string::npos,
-            "--monitor {}: name={} must be lowercase letters, digits, - and _", spec, name);
-  return name;
-}
-
 // Mean attention entropy (nats, over heads) per layer per generated token;
 // flags a sequence once the mean over the monitored layers stays below the
 // threshold for `window` generated tokens in a row (attention collapse).
 class AttnEntropy final : public Monitor {
  public:
-  AttnEntropy(const std::string& spec, const MonitorSetup& setup, std::FILE* const* log)
-      : Monitor(spec, setup), spec_(spec), log_(log) {
-    Spec p = parse_spec(spec);
-    name_ = monitor_name(spec, p);
-    if (p.args.count("threshold")) threshold_ = parse_threshold(spec, p.args["threshold"]);
-    if (p.args.count("window")) {
-      const std::string& w = p.args["window"];
-      DMI_CHECK(!w.empty() && w.size() < 7 && w.find_first_not_of("0123456789") == std::string::npos && std::stoi(w) >= 1,
-                "--monitor {}: window={} is not a count of tokens (1 or more)", spec, w);
-      window_ = std::stoi(w);
-    }
-    std::set<int> wanted;
-    int most = 0;
-    for (const auto& st : setup.streams) most = std::max(most, st.layer + 1);
-    if (p.args.count("layers"))
-      for (auto l : hooks::parse_index_set(p.args["layers"], most, "layers")) wanted.insert(static_cast<int>(l));
+  AttnEntropy(const std::string& spec, const MonitorSetup& setup, std::FILE* const* log) : Monitor(spec, setup, log) {
+    threshold_ = number("threshold", 0.5);
+    window_ = count("window", 16, 1, "tokens");
+    const std::set<int> wanted = layers(setup);
     for (std::size_t s = 0; s < setup.streams.size(); ++s) {
       const auto& st = setup.streams[s];
       if (st.layout != sink::Layout::attention || st.name.find("attn.hook_pattern") == std::string::npos) continue;
       if (!wanted.empty() && !wanted.count(st.layer)) continue;
       layer_of_[static_cast<std::uint16_t>(s)] = static_cast<int>(layers_.size());
+      streams_[static_cast<std::uint16_t>(s)] = st;
       layers_.push_back(st.layer);
-      shape_[static_cast<std::uint16_t>(s)] = {st.row_shape[0], st.row_shape[1]};
-      dtype_[static_cast<std::uint16_t>(s)] = st.dtype;
     }
-    DMI_CHECK(!layers_.empty(), "--monitor {}: the capture has no attention pattern{} (add --hooks pattern)", spec,
-              wanted.empty() ? "" : " of the layers asked for");
-    DMI_CHECK(layers_.size() == wanted.size() || wanted.empty(), "--monitor {}: the capture lacks the pattern of "
-              "some of layers={} (capture them: --hooks pattern)", spec, p.args["layers"]);
+    DMI_CHECK(!layers_.empty() && (wanted.empty() || layers_.size() == wanted.size()), "--monitor {}: the capture "
+              "lacks the attention pattern of {} (add --hooks pattern)", spec,
+              wanted.empty() ? "every layer" : "some of layers=" + p_.args["layers"]);
     DMI_CHECK(setup.generated_rows, "--monitor {}: attn-entropy reads generated tokens' patterns; capture them "
               "(--tokens all or generated)", spec);
     for (const auto& prompt : setup.prompts) plen_.push_back(static_cast<std::int64_t>(prompt.size()));
@@ -271,21 +284,18 @@ class AttnEntropy final : public Monitor {
             const void* data) override {
     auto it = layer_of_.find(stream);
     if (it == layer_of_.end()) return;
-    const auto [H, W] = shape_.at(stream);
+    const sink::StreamInfo& st = streams_.at(stream);
+    const std::int64_t H = st.row_shape[0], W = st.row_shape[1];
     at::Tensor rows;
     for (std::uint32_t r = 0; r < n; ++r) {
       const std::int32_t s = seq[r];
       if (s < 0 || static_cast<std::size_t>(s) >= plen_.size() || pos[r] < plen_[s]) continue;
-      if (!rows.defined())
-        rows = at::from_blob(const_cast<void*>(data), {static_cast<std::int64_t>(n), H, W}, dtype_.at(stream))
-                   .to(at::kFloat)
-                   .contiguous();
-      const float* row = rows.data_ptr<float>() + static_cast<std::int64_t>(r) * H * W;
+      if (!rows.defined()) rows = float_rows(data, n, st.row_shape, st.dtype);
+      const float* row = rows[r].data_ptr<float>();
       double mean = 0;
       for (std::int64_t h = 0; h < H; ++h) mean += attention_entropy(row + h * W, std::min<std::int64_t>(pos[r] + 1, W));
       mean /= static_cast<double>(H);
-      auto key = std::make_pair(s, pos[r]);
-      auto& e = pending_[key];
+      auto& e = pending_[{s, pos[r]}];
       if (e.empty()) e.assign(layers_.size(), std::numeric_limits<double>::quiet_NaN());
       e[it->second] = mean;
       if (std::none_of(e.begin(), e.end(), [](double v) { return std::isnan(v); })) token_done(s, pos[r], e);
@@ -293,48 +303,37 @@ class AttnEntropy final : public Monitor {
   }
 
   sink::ResultTable table() const override {
-    sink::ResultTable t;
-    t.group = "monitors/" + name_;
-    t.attrs = {{"monitor", "attn-entropy"}, {"spec", spec_}, {"layers", nlohmann::json(layers_).dump()},
-               {"window", std::to_string(window_)}, {"threshold", nlohmann::json(threshold_).dump()}};
+    sink::ResultTable t = table_head({{"layers", nlohmann::json(layers_).dump()}, {"window", std::to_string(window_)},
+                                      {"threshold", nlohmann::json(threshold_).dump()}});
     const auto n = static_cast<std::int64_t>(seq_.size()), L = static_cast<std::int64_t>(layers_.size());
-    sink::ResultTable::Column seq{"seq", {n}, seq_, true}, pos{"pos", {n}, pos_, true};
-    sink::ResultTable::Column entropy{"entropy", {n, L}, entropy_, false};
     sink::ResultTable::Column flag_pos{"flag_pos", {static_cast<std::int64_t>(flag_pos_.size())}, {}, true};
     for (auto p : flag_pos_) flag_pos.values.push_back(static_cast<double>(p));
-    t.columns = {seq, pos, entropy, flag_pos};
+    t.columns = {{"seq", {n}, seq_, true}, {"pos", {n}, pos_, true}, {"entropy", {n, L}, entropy_, false}, flag_pos};
     return t;
   }
 
  private:
-  void token_done(std::int32_t s, std::int32_t p, const std::vector<double>& e) {
+  void token_done(std::int32_t s, std::int32_t p, std::vector<double> e) {
+    pending_.erase({s, p});
     double mean = 0;
     for (double v : e) mean += v;
     mean /= static_cast<double>(e.size());
     seq_.push_back(s);
     pos_.push_back(p);
     entropy_.insert(entropy_.end(), e.begin(), e.end());
-    pending_.erase({s, p});
     run_[s] = mean < threshold_ ? run_[s] + 1 : 0;
     if (run_[s] >= window_ && flag_pos_[s] < 0) {
       flag_pos_[s] = p;
-      nlohmann::json line = {{"monitor", "attn-entropy"}, {"name", name_}, {"seq", s}, {"pos", p},
-                             {"flagged", true}, {"entropy", mean}, {"window", window_}, {"action", act(s)}};
-      std::fprintf(*log_, "%s\n", line.dump().c_str());
-      std::fflush(*log_);
+      emit({{"seq", s}, {"pos", p}, {"flagged", true}, {"entropy", mean}, {"window", window_}, {"action", act(s)}});
     }
   }
 
-  std::string spec_, name_;
-  std::FILE* const* log_;
   double threshold_ = 0.5;
-  int window_ = 16;
+  std::int64_t window_ = 16;
   std::vector<int> layers_;
   std::map<std::uint16_t, int> layer_of_;  // stream -> index into layers_
-  std::map<std::uint16_t, std::pair<std::int64_t, std::int64_t>> shape_;
-  std::map<std::uint16_t, at::ScalarType> dtype_;
-  std::vector<std::int64_t> plen_, flag_pos_;
-  std::vector<int> run_;
+  std::map<std::uint16_t, sink::StreamInfo> streams_;
+  std::vector<std::int64_t> plen_, flag_pos_, run_;
   std::map<std::pair<std::int32_t, std::int32_t>, std::vector<double>> pending_;
   std::vector<double> seq_, pos_, entropy_;
 };
@@ -346,40 +345,26 @@ class AttnEntropy final : public Monitor {
 // in.
 class ResidNorm final : public Monitor {
  public:
-  ResidNorm(const std::string& spec, const MonitorSetup& setup, std::FILE* const* log)
-      : Monitor(spec, setup), spec_(spec), log_(log) {
-    Spec p = parse_spec(spec);
-    name_ = monitor_name(spec, p);
-    if (p.args.count("z")) z_ = parse_threshold(spec, p.args["z"]);
+  ResidNorm(const std::string& spec, const MonitorSetup& setup, std::FILE* const* log) : Monitor(spec, setup, log) {
+    z_ = number("z", 4.0);
     DMI_CHECK(z_ > 0, "--monitor {}: z={} must be greater than 0", spec, z_);
-    if (p.args.count("warmup")) {
-      const std::string& w = p.args["warmup"];
-      DMI_CHECK(!w.empty() && w.size() < 9 && w.find_first_not_of("0123456789") == std::string::npos && std::stol(w) >= 2,
-                "--monitor {}: warmup={} is not a count of rows (2 or more)", spec, w);
-      warmup_ = std::stol(w);
-    }
-    const std::string site = p.args.count("site") ? p.args["site"] : "resid_post";
-    const std::set<std::string> sites{"resid_pre", "resid_mid", "resid_post"};
-    DMI_CHECK(sites.count(site), "--monitor {}: site={} is not resid_pre, resid_mid or resid_post", spec, site);
+    warmup_ = count("warmup", 32, 2, "rows");
+    const std::string site = p_.args.count("site") ? p_.args["site"] : "resid_post";
+    DMI_CHECK(site == "resid_pre" || site == "resid_mid" || site == "resid_post",
+              "--monitor {}: site={} is not resid_pre, resid_mid or resid_post", spec, site);
     suffix_ = ".hook_" + site;
-    std::set<int> wanted;
-    int most = 0;
-    for (const auto& st : setup.streams) most = std::max(most, st.layer + 1);
-    if (p.args.count("layers"))
-      for (auto l : hooks::parse_index_set(p.args["layers"], most, "layers")) wanted.insert(static_cast<int>(l));
+    const std::set<int> wanted = layers(setup);
     for (std::size_t s = 0; s < setup.streams.size(); ++s) {
       const auto& st = setup.streams[s];
       if (st.name.size() < suffix_.size() || st.name.compare(st.name.size() - suffix_.size(), suffix_.size(), suffix_))
         continue;
       if (!wanted.empty() && !wanted.count(st.layer)) continue;
-      const auto k = static_cast<std::uint16_t>(s);
-      layer_of_[k] = static_cast<int>(layers_.size());
+      layer_of_[static_cast<std::uint16_t>(s)] = static_cast<int>(layers_.size());
+      streams_[static_cast<std::uint16_t>(s)] = st;
       layers_.push_back(st.layer);
-      width_[k] = st.row_shape[0];
-      dtype_[k] = st.dtype;
     }
     DMI_CHECK(!layers_.empty() && (wanted.empty() || layers_.size() == wanted.size()), "--monitor {}: the capture "
-              "lacks {} of {} (add --hooks {})", spec, site, wanted.empty() ? "every layer" : "layers=" + p.args["layers"],
+              "lacks {} of {} (add --hooks {})", spec, site, wanted.empty() ? "every layer" : "layers=" + p_.args["layers"],
               site);
     stats_.resize(layers_.size());
   }
@@ -388,10 +373,9 @@ class ResidNorm final : public Monitor {
             const void* data) override {
     auto it = layer_of_.find(stream);
     if (it == layer_of_.end()) return;
-    const std::int64_t d = width_.at(stream);
-    const at::Tensor x = at::from_blob(const_cast<void*>(data), {static_cast<std::int64_t>(n), d}, dtype_.at(stream))
-                             .to(at::kFloat)
-                             .contiguous();
+    const sink::StreamInfo& info = streams_.at(stream);
+    const at::Tensor x = float_rows(data, n, info.row_shape, info.dtype);
+    const std::int64_t d = info.row_shape[0];
     Stats& st = stats_[it->second];
     for (std::uint32_t r = 0; r < n; ++r) {
       const float* row = x.data_ptr<float>() + static_cast<std::int64_t>(r) * d;
@@ -412,21 +396,16 @@ class ResidNorm final : public Monitor {
       zs_.push_back(z);
       if (std::abs(z) > z_) {
         ++outliers_;
-        nlohmann::json line = {{"monitor", "resid-norm"}, {"name", name_}, {"seq", seq[r]}, {"pos", pos[r]},
-                               {"layer", layers_[it->second]}, {"norm", norm}, {"z", z}, {"flagged", true},
-                               {"action", act(seq[r])}};
-        std::fprintf(*log_, "%s\n", line.dump().c_str());
-        std::fflush(*log_);
+        emit({{"seq", seq[r]}, {"pos", pos[r]}, {"layer", layers_[it->second]}, {"norm", norm}, {"z", z},
+              {"flagged", true}, {"action", act(seq[r])}});
       }
     }
   }
 
   sink::ResultTable table() const override {
-    sink::ResultTable t;
-    t.group = "monitors/" + name_;
-    t.attrs = {{"monitor", "resid-norm"}, {"spec", spec_}, {"site", suffix_.substr(1)},
-               {"layers", nlohmann::json(layers_).dump()}, {"z", nlohmann::json(z_).dump()},
-               {"warmup", std::to_string(warmup_)}, {"outliers", std::to_string(outliers_)}};
+    sink::ResultTable t = table_head({{"site", suffix_.substr(1)}, {"layers", nlohmann::json(layers_).dump()},
+                                      {"z", nlohmann::json(z_).dump()}, {"warmup", std::to_string(warmup_)},
+                                      {"outliers", std::to_string(outliers_)}});
     const auto n = static_cast<std::int64_t>(seq_.size());
     t.columns = {{"seq", {n}, seq_, true},     {"pos", {n}, pos_, true}, {"layer", {n}, layer_, true},
                  {"norm", {n}, norm_, false}, {"z", {n}, zs_, false}};
@@ -438,14 +417,12 @@ class ResidNorm final : public Monitor {
     std::int64_t n = 0;
     double mean = 0, m2 = 0;
   };
-  std::string spec_, name_, suffix_;
-  std::FILE* const* log_;
+  std::string suffix_;
   double z_ = 4.0;
   std::int64_t warmup_ = 32, outliers_ = 0;
   std::vector<int> layers_;
   std::map<std::uint16_t, int> layer_of_;
-  std::map<std::uint16_t, std::int64_t> width_;
-  std::map<std::uint16_t, at::ScalarType> dtype_;
+  std::map<std::uint16_t, sink::StreamInfo> streams_;
   std::vector<Stats> stats_;
   std::vector<double> seq_, pos_, layer_, norm_, zs_;
 };
@@ -460,8 +437,9 @@ class MonitorSink final : public sink::Sink {
       if (spec.rfind("attn-entropy", 0) == 0) monitors_.push_back(std::make_unique<AttnEntropy>(spec, setup, &log_));
       else if (spec.rfind("resid-norm", 0) == 0) monitors_.push_back(std::make_unique<ResidNorm>(spec, setup, &log_));
       else monitors_.push_back(std::make_unique<AttnTracker>(spec, setup, &log_));
-      const std::string name = monitors_.back()->table().group;
-      DMI_CHECK(names.insert(name).second, "--monitor {}: two monitors store /{}; give one a name=", spec, name);
+      const std::string& name = monitors_.back()->name();
+      DMI_CHECK(names.insert(name).second, "--monitor {}: two monitors store /monitors/{}; give one a name=", spec,
+                name);
     }
     if (setup.log_path.empty()) {
       log_ = stderr;

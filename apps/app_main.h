@@ -5,7 +5,10 @@
 #include <c10/util/Exception.h>
 
 #include <CLI/CLI.hpp>
+#include <atomic>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <string>
 
@@ -35,6 +38,29 @@ inline CLI::Validator number_check(double lo, double hi, bool lo_open, const std
 inline const CLI::Validator kAtLeastOne = number_check(1, 1e300, false, "at least 1");
 inline const CLI::Validator kPositive = number_check(0, 1e300, true, "greater than 0");
 inline const CLI::Validator kNonNegative = number_check(0, 1e300, false, "0 or more");
+
+// SIGINT and SIGTERM set g_stop (the tools stop after the current step and
+// keep what they have); stopped_status() is the exit status a shell reports
+// for that signal: 130 for Ctrl-C, 143 for SIGTERM.
+inline std::atomic<bool> g_stop{false};
+inline std::atomic<int> g_signal{0};
+inline void on_stop_signal(int sig) {
+  g_signal.store(sig);
+  g_stop.store(true);
+}
+inline void install_stop_signals() {
+  std::signal(SIGINT, on_stop_signal);
+  std::signal(SIGTERM, on_stop_signal);
+}
+inline int stopped_status() { return 128 + (g_signal.load() ? g_signal.load() : SIGINT); }
+
+#ifdef DMI_SOURCE_DIR
+// The embedded default model (data/default-model), or $DMI_DEFAULT_MODEL.
+inline std::string default_model_dir() {
+  if (const char* env = std::getenv("DMI_DEFAULT_MODEL")) return env;
+  return std::string(DMI_SOURCE_DIR) + "/data/default-model";
+}
+#endif
 
 // Parses argv; on --help prints and returns 0, on a bad flag prints one line
 // and returns 2; returns -1 when the tool should go on.

@@ -116,9 +116,7 @@ int main(int argc, char** argv) {
     cfg.hooks = hooks.empty() ? std::vector<std::string>{"residual"} : hooks;
     cfg.tmp_dir = tmp_dir;
     dmi::engine::validate_bench_config(cfg);  // before the (slow) model load
-    if (model_dir.empty())
-      model_dir = std::getenv("DMI_DEFAULT_MODEL") ? std::getenv("DMI_DEFAULT_MODEL")
-                                                   : std::string(DMI_SOURCE_DIR) + "/data/default-model";
+    if (model_dir.empty()) model_dir = dmi::apps::default_model_dir();
     auto model = dmi::model::load_model(model_dir, dtype == "bfloat16" ? at::kBFloat16 : at::kFloat, {hook_map});
     const double bw = dmi::engine::measure_read_bandwidth_gbs();
     const double floor_ms = model->weight_bytes() / (bw * 1e9) * 1000.0;

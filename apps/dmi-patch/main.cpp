@@ -25,12 +25,7 @@
 
 namespace {
 
-std::atomic<bool> g_stop{false};
-std::atomic<int> g_signal{0};
-void on_signal(int sig) {
-  g_signal.store(sig);
-  g_stop.store(true);
-}
+using dmi::apps::g_stop;
 
 struct Args {
   std::string model, tokenizer, clean, corrupt, output, png, dtype = "float32";
@@ -42,10 +37,7 @@ struct Args {
   std::string command_line;
 };
 
-std::string default_model_dir() {
-  if (const char* env = std::getenv("DMI_DEFAULT_MODEL")) return env;
-  return std::string(DMI_SOURCE_DIR) + "/data/default-model";
-}
+using dmi::apps::default_model_dir;
 
 // --answer TEXT must be one token of the vocabulary.
 std::int32_t one_token(const dmi::io::Tokenizer& tok, const std::string& flag, const std::string& text) {
@@ -133,7 +125,7 @@ int run(const Args& a) {
   } catch (const dmi::Error&) {
     if (!g_stop.load()) throw;
     std::fprintf(stderr, "dmi-patch: interrupted; %s not written\n", a.output.c_str());
-    return 128 + (g_signal.load() ? g_signal.load() : SIGINT);
+    return dmi::apps::stopped_status();
   }
   analysis::write_patch_file(a.output, a.overwrite, r, o, info);
 
@@ -262,7 +254,6 @@ int main(int argc, char** argv) {
   if (int rc = dmi::apps::parse_args("dmi-patch", app, argc, argv); rc >= 0) return rc;
   for (int i = 0; i < argc; ++i) a.command_line += (i ? " " : "") + std::string(argv[i]);
   dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(a.dtype));
-  std::signal(SIGINT, on_signal);
-  std::signal(SIGTERM, on_signal);
+  dmi::apps::install_stop_signals();
   return dmi::apps::guarded("dmi-patch", [&] { return run(a); });
 }

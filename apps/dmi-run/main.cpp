@@ -28,20 +28,10 @@
 
 namespace {
 
-std::atomic<bool> g_stop{false};
-std::atomic<int> g_signal{0};
-void on_signal(int sig) {
-  g_signal.store(sig);
-  g_stop.store(true);
-}
-// 128 + the signal, as shells report a process that signal ended: 130 for
-// Ctrl-C (SIGINT), 143 for SIGTERM.
-int stopped_status() { return 128 + (g_signal.load() ? g_signal.load() : SIGINT); }
+using dmi::apps::g_stop;
+using dmi::apps::stopped_status;
 
-std::string default_model_dir() {
-  if (const char* env = std::getenv("DMI_DEFAULT_MODEL")) return env;
-  return std::string(DMI_SOURCE_DIR) + "/data/default-model";
-}
+using dmi::apps::default_model_dir;
 
 constexpr const char* kDefaultPrompt = "LOVE, n.";
 
@@ -198,8 +188,7 @@ int run(const Args& a) {
     DMI_CHECK(!job.prompts.back().empty(), "prompt {} is empty after tokenization", i);
     job.prompt_texts.push_back(specs[i].has_ids ? m.tokenizer->decode(job.prompts.back()) : specs[i].text);
   }
-  std::signal(SIGINT, on_signal);
-  std::signal(SIGTERM, on_signal);
+  dmi::apps::install_stop_signals();
   engine::RunOutput out = engine::run_job(s, m, job, &g_stop, progress(a, specs.size()));
   std::vector<std::string> display;  // id prompts are shown without special tokens
   for (std::size_t i = 0; i < specs.size(); ++i)
@@ -255,8 +244,7 @@ int run_replay(const Args& a) {
   o.seqs = a.seqs;
   o.verify = a.verify;
   o.command_line = a.command_line;
-  std::signal(SIGINT, on_signal);
-  std::signal(SIGTERM, on_signal);
+  dmi::apps::install_stop_signals();
   auto on_progress = [&](std::size_t done, std::size_t total) {
     if (!a.quiet && total > 1) std::fprintf(stderr, "dmi-run: replay %zu/%zu sequences\n", done, total);
   };

@@ -208,13 +208,12 @@ int main(int argc, char** argv) {
   app.footer(
       "Examples:\n"
       "  dmi-patch --clean clean.txt --corrupt corrupt.txt --answer ' Mary' --wrong ' John' -o ioi.h5\n"
-      "  dmi-patch --clean c.txt --corrupt x.txt --answer-id 42 --wrong-id 7 --sites z,pattern --png plots/\n"
+      "  dmi-patch --clean c.txt --corrupt x.txt --answer-id 42 --wrong-id 7 --sites z,pattern -o heads.h5 --png plots/\n"
       "  dmi-patch --clean c.jsonl --corrupt x.jsonl --metric kl --direction noise -o noise.h5 --json\n"
       "\nThe prompt files are dmi-run's formats (one prompt per line, or JSONL with \"text\" or \"ids\"), paired\n"
       "by line; paired prompts must have the same number of tokens, and so must every pair. The output\n"
-      "holds /patch/<site>/raw and /patch/<site>/norm [layers, positions] ([layers, heads] for z and\n"
-      "pattern); see\n"
-      "docs/patching.md.\n"
+      "holds /patch/<site>/raw and /patch/<site>/norm: [layers, positions], or [layers, heads] for z and\n"
+      "pattern (docs/patching.md).\n"
       "\nExit status: 0 ok, 2 bad input (one line on stderr), 130 interrupted (143 SIGTERM; nothing written),\n"
       "1 internal error.");
   Args a;

@@ -488,6 +488,11 @@ int main(int argc, char** argv) {
                          "(see --help)\n");
     return 2;
   }
+  if (replaying && (!a.capture.monitors.empty() || !a.capture.monitor_log.empty())) {
+    std::fprintf(stderr, "dmi-run: error: --monitor does not apply to --replay (run the monitors on a new run, or "
+                         "dmi-inspect attn-tracker on the capture)\n");
+    return 2;
+  }
   // A replay runs with the recorded compute dtype's thread set-up.
   std::string dtype_for_env = a.dtype;
   if (replaying)

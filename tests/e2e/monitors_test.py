@@ -317,8 +317,8 @@ def case_stop():
         reasons = [r.decode() if isinstance(r, bytes) else r for r in f["sequences"]["finish_reason"][:]]
     if reasons != ["monitor"] * 3:
         fail(f"replay finish_reason {reasons}; {json.dumps(rj)[:600]}")
-    r = run(DMI_RUN, "--replay", path, "--monitor", "resid-norm", expect_rc=2)
-    if "--replay" not in r.stderr:
+    r = run(DMI_RUN, "--replay", path, "--verify", "--monitor", "resid-norm", expect_rc=2)
+    if "--monitor does not apply to --replay" not in r.stderr:
         fail(f"--monitor with --replay: {r.stderr!r}")
     print("an exact replay of the stopped run is bit-identical and stops where it stopped; --monitor is refused there")
 

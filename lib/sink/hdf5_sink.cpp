@@ -17,6 +17,7 @@
 #include "common/error.h"
 #include "sink/capture_file.h"
 #include "sink/liveness.h"
+#include "sink/result_file.h"
 
 namespace dmi::sink {
 
@@ -126,39 +127,6 @@ void write_strings(hid_t loc, const std::string& name, const std::vector<std::st
   for (const auto& s : v) ptrs.push_back(s.c_str());
   write_vector(loc, name, type, type, ptrs);
   H5Tclose(type);
-}
-
-// A monitor's results: /GROUP (parents created), its attributes and columns.
-void write_result_table(hid_t file, const ResultTable& t, const std::string& path) {
-  for (std::size_t slash = 0; slash != std::string::npos;) {
-    slash = t.group.find('/', slash + 1);
-    const std::string g = t.group.substr(0, slash);
-    if (H5Lexists(file, g.c_str(), H5P_DEFAULT) > 0) continue;
-    hid_t id = H5Gcreate2(file, g.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-    H5_CHECK(id, "{}: cannot create /{} (disk full?)", path, g);
-    H5Gclose(id);
-  }
-  hid_t g = H5Gopen2(file, t.group.c_str(), H5P_DEFAULT);
-  H5_CHECK(g, "{}: cannot open /{}", path, t.group);
-  for (const auto& [name, value] : t.attrs) set_attr_text(g, name, value);
-  for (const auto& c : t.columns) {
-    std::vector<hsize_t> dims(c.shape.begin(), c.shape.end());
-    hid_t space = H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr);
-    hid_t d = H5Dcreate2(g, c.name.c_str(), c.integer ? H5T_STD_I64LE : H5T_IEEE_F64LE, space, H5P_DEFAULT,
-                         H5P_DEFAULT, H5P_DEFAULT);
-    herr_t rc = -1;
-    if (d >= 0 && c.integer) {
-      std::vector<std::int64_t> v(c.values.begin(), c.values.end());
-      rc = v.empty() ? 0 : H5Dwrite(d, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data());
-    } else if (d >= 0) {
-      rc = c.values.empty() ? 0 : H5Dwrite(d, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, c.values.data());
-    }
-    if (d >= 0) H5Dclose(d);
-    H5Sclose(space);
-    if (rc < 0) H5Gclose(g);
-    H5_CHECK(rc, "{}: cannot write /{}/{} (disk full?)", path, t.group, c.name);
-  }
-  H5Gclose(g);
 }
 
 // The file access properties of every capture: the latest format (HDF5

@@ -32,7 +32,61 @@ void make_parents(hid_t file, const std::string& path, const std::string& file_p
   }
 }
 
+// A scalar attribute of `object` (text, float64 or int64).
+void scalar_attr(hid_t file, const std::string& object, const std::string& name, hid_t file_type, hid_t mem_type,
+                 const void* value, const std::string& file_path) {
+  hid_t space = H5Screate(H5S_SCALAR);
+  hid_t a = H5Acreate_by_name(file, object.c_str(), name.c_str(), file_type, space, H5P_DEFAULT, H5P_DEFAULT,
+                              H5P_DEFAULT);
+  const herr_t rc = a < 0 ? -1 : H5Awrite(a, mem_type, value);
+  if (a >= 0) H5Aclose(a);
+  H5Sclose(space);
+  DMI_CHECK(rc >= 0, "{}: cannot write attribute {} of {} (disk full?)", file_path, name, object);
+}
+
+void text_attr(hid_t file, const std::string& object, const std::string& name, const std::string& text,
+               const std::string& file_path) {
+  hid_t type = text_type();
+  const char* p = text.c_str();
+  try {
+    scalar_attr(file, object, name, type, type, &p, file_path);
+  } catch (...) {
+    H5Tclose(type);
+    throw;
+  }
+  H5Tclose(type);
+}
+
+// An array dataset at path (parents created): float64 values, stored as
+// float64 or (integer) int64.
+void array_dataset(hid_t file, const std::string& path, const std::vector<std::int64_t>& shape,
+                   const double* values, bool integer, const std::string& file_path) {
+  make_parents(file, path, file_path);
+  std::vector<hsize_t> dims(shape.begin(), shape.end());
+  std::size_t n = 1;
+  for (auto d : shape) n *= static_cast<std::size_t>(d);
+  std::vector<std::int64_t> ints;
+  if (integer) ints.assign(values, values + n);
+  hid_t space = H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr);
+  hid_t d = H5Dcreate2(file, path.c_str(), integer ? H5T_STD_I64LE : H5T_IEEE_F64LE, space, H5P_DEFAULT, H5P_DEFAULT,
+                       H5P_DEFAULT);
+  herr_t rc = d < 0 ? -1 : 0;
+  if (d >= 0 && n > 0)
+    rc = integer ? H5Dwrite(d, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, ints.data())
+                 : H5Dwrite(d, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, values);
+  if (d >= 0) H5Dclose(d);
+  H5Sclose(space);
+  DMI_CHECK(rc >= 0, "{}: cannot write dataset {} (disk full?)", file_path, path);
+}
+
 }  // namespace
+
+void write_result_table(std::int64_t file, const ResultTable& t, const std::string& path) {
+  const std::string group = "/" + t.group;
+  make_parents(file, group + "/", path);
+  for (const auto& [name, value] : t.attrs) text_attr(file, group, name, value, path);
+  for (const auto& c : t.columns) array_dataset(file, group + "/" + c.name, c.shape, c.values.data(), c.integer, path);
+}
 
 ResultFile::ResultFile(const std::string& path, bool overwrite) : path_(path), partial_(path + ".partial") {
   struct stat st {};
@@ -53,46 +107,21 @@ ResultFile::~ResultFile() {
 }
 
 void ResultFile::attr(const std::string& object, const std::string& name, const std::string& text) {
-  hid_t type = text_type(), space = H5Screate(H5S_SCALAR);
-  hid_t a = H5Acreate_by_name(file_, object.c_str(), name.c_str(), type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-  const char* p = text.c_str();
-  const herr_t rc = a < 0 ? -1 : H5Awrite(a, type, &p);
-  if (a >= 0) H5Aclose(a);
-  H5Sclose(space);
-  H5Tclose(type);
-  DMI_CHECK(rc >= 0, "{}: cannot write attribute {} of {} (disk full?)", partial_, name, object);
+  text_attr(file_, object, name, text, partial_);
 }
 
 void ResultFile::attr(const std::string& object, const std::string& name, double value) {
-  hid_t space = H5Screate(H5S_SCALAR);
-  hid_t a = H5Acreate_by_name(file_, object.c_str(), name.c_str(), H5T_IEEE_F64LE, space, H5P_DEFAULT, H5P_DEFAULT,
-                              H5P_DEFAULT);
-  const herr_t rc = a < 0 ? -1 : H5Awrite(a, H5T_NATIVE_DOUBLE, &value);
-  if (a >= 0) H5Aclose(a);
-  H5Sclose(space);
-  DMI_CHECK(rc >= 0, "{}: cannot write attribute {} of {} (disk full?)", partial_, name, object);
+  scalar_attr(file_, object, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &value, partial_);
 }
 
 void ResultFile::attr(const std::string& object, const std::string& name, std::int64_t value) {
-  hid_t space = H5Screate(H5S_SCALAR);
-  hid_t a = H5Acreate_by_name(file_, object.c_str(), name.c_str(), H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT,
-                              H5P_DEFAULT);
-  const herr_t rc = a < 0 ? -1 : H5Awrite(a, H5T_NATIVE_INT64, &value);
-  if (a >= 0) H5Aclose(a);
-  H5Sclose(space);
-  DMI_CHECK(rc >= 0, "{}: cannot write attribute {} of {} (disk full?)", partial_, name, object);
+  scalar_attr(file_, object, name, H5T_STD_I64LE, H5T_NATIVE_INT64, &value, partial_);
 }
 
 void ResultFile::dataset(const std::string& path, const at::Tensor& t) {
-  make_parents(file_, path, partial_);
   const at::Tensor x = t.to(at::kDouble).contiguous();
-  std::vector<hsize_t> dims(x.sizes().begin(), x.sizes().end());
-  hid_t space = H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr);
-  hid_t d = H5Dcreate2(file_, path.c_str(), H5T_IEEE_F64LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-  const herr_t rc = d < 0 ? -1 : H5Dwrite(d, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, x.data_ptr<double>());
-  if (d >= 0) H5Dclose(d);
-  H5Sclose(space);
-  DMI_CHECK(rc >= 0, "{}: cannot write dataset {} (disk full?)", partial_, path);
+  array_dataset(file_, path, std::vector<std::int64_t>(x.sizes().begin(), x.sizes().end()), x.data_ptr<double>(),
+                false, partial_);
 }
 
 void ResultFile::strings(const std::string& path, const std::vector<std::string>& values) {

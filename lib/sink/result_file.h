@@ -1,4 +1,5 @@
-// Small HDF5 files of analysis results (dmi-patch's sweeps): float64
+// Small HDF5 files of analysis results (dmi-patch's sweeps), and the result
+// tables monitors add to a capture: float64
 // datasets, string datasets and attributes, written under PATH.partial and
 // renamed into place by close(), so a killed or failed run never leaves a
 // half-written result where a finished one is expected.
@@ -10,7 +11,14 @@
 #include <string>
 #include <vector>
 
+#include "sink/sink.h"
+
 namespace dmi::sink {
+
+// Writes /GROUP (parents created), its text attributes and its columns into
+// an open HDF5 file (hid_t): a capture's /monitors tables at close. Errors
+// name path.
+void write_result_table(std::int64_t file, const ResultTable& t, const std::string& path);
 
 class ResultFile {
  public:

@@ -30,7 +30,9 @@ inline MathOwner math_owner_for(const std::string& dtype) {
 void prepare_process_env(int argc, char** argv, MathOwner owner);
 
 // Sets torch's intra-op threads and OpenBLAS's threads to n (n <= 0: the
-// number of online CPUs). Returns the count used.
+// number of online CPUs), and (once) tells glibc to keep freed memory for
+// reuse rather than unmap it: every layer reallocates the same activation
+// sizes. Returns the count used.
 int configure_threads(int n);
 
 // What decides the numbers besides the model and the settings, as a JSON

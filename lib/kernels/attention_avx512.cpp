@@ -1,8 +1,9 @@
-// AVX-512F attention score rows: one query row against L cached keys. The
+// AVX-512F attention: score rows (one query row against L cached keys), and
+// blocks of rows that share a KV head (scores and probabilities·values). The
 // same lane assignment and reduction tree as the portable dot() in ops.cpp
-// (16 fp32 lanes, then +8, +4, +2, +1), multiplies and adds unfused, so the
-// bits equal the portable code's. Compiled with -mavx512f; called only on
-// CPUs that have it.
+// (16 fp32 lanes, then +8, +4, +2, +1), the same summation order over keys in
+// values_row, multiplies and adds unfused: the bits equal the portable code's.
+// Compiled with -mavx512f; called only on CPUs that have it.
 #include <immintrin.h>
 
 #include "kernels/gemm_impl.h"
@@ -31,7 +32,7 @@ inline float bf16_value(uint16_t h) {
   return f;
 }
 
-constexpr int kMaxChunks = 32;  // head_dim up to 512
+constexpr int kMaxChunks = kBlockMaxD / 16;  // head_dim up to 512
 
 }  // namespace
 
@@ -74,6 +75,176 @@ bool scores_row_avx512(const float* q, const float* kb, const bool* m, float* o,
     o[c] = reduce16(acc) * scale;
   }
   return true;
+}
+
+// ---------------------------------------------------------------------------
+// Blocks of rows. Every row of a block reads the same keys (query heads of one
+// KV head, consecutive positions), so each key is widened to fp32 once per
+// block instead of once per row, and 16 dot products are reduced together.
+
+namespace {
+
+inline __m512 load_f32(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_f32(const uint16_t* p) { return widen(p); }
+inline float value(const float* p, int64_t i) { return p[i]; }
+inline float value(const uint16_t* p, int64_t i) { return bf16_value(p[i]); }
+
+// float -> bfloat16 bits in the low half of each 32-bit lane: to_bf16() on 16 lanes.
+inline __m512i to_bf16_lanes(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_blend_epi32(nan, rounded, quiet_nan);
+}
+
+// r[j] = reduce16(a[j]) for 16 vectors, with reduce16's pairs (lane l with
+// l + 8, then + 4, + 2, + 1). The result lands transposed: lane 4k + i holds
+// a[4i + k], so callers put key 4k + i in slot 4i + k (kSlotKey).
+inline __m512 reduce16x16(const __m512* a) {
+  __m512 s8[8], s4[4], s2[2];
+  for (int m = 0; m < 8; ++m)  // [lo 8 of a, lo 8 of b] + [hi 8 of a, hi 8 of b]
+    s8[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                          _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xee));
+  for (int n = 0; n < 4; ++n)  // 128-bit quarters 0, 2 against 1, 3
+    s4[n] = _mm512_add_ps(_mm512_shuffle_f32x4(s8[2 * n], s8[2 * n + 1], 0x88),
+                          _mm512_shuffle_f32x4(s8[2 * n], s8[2 * n + 1], 0xdd));
+  for (int o = 0; o < 2; ++o)  // within each quarter: elements 0, 1 against 2, 3
+    s2[o] = _mm512_add_ps(_mm512_shuffle_ps(s4[2 * o], s4[2 * o + 1], 0x44),
+                          _mm512_shuffle_ps(s4[2 * o], s4[2 * o + 1], 0xee));
+  return _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], 0x88), _mm512_shuffle_ps(s2[0], s2[1], 0xdd));
+}
+constexpr int kSlotKey[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+// 16 scores of one row: round as scores_row_avx512 does, -inf where masked.
+inline void store_scores(uint16_t* o, __m512 dots, float scale, __mmask16 masked) {
+  const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(to_bf16_lanes(dots), 16));
+  __m512i bits = to_bf16_lanes(_mm512_mul_ps(rounded, _mm512_set1_ps(scale)));
+  bits = _mm512_mask_blend_epi32(masked, bits, _mm512_set1_epi32(0xff80));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(bits));
+}
+inline void store_scores(float* o, __m512 dots, float scale, __mmask16 masked) {
+  const __m512 v = _mm512_mul_ps(dots, _mm512_set1_ps(scale));
+  _mm512_storeu_ps(o, _mm512_mask_blend_ps(masked, v, _mm512_set1_ps(-__builtin_inff())));
+}
+inline void store_row(uint16_t* o, const float* acc, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), _mm512_cvtepi32_epi16(to_bf16_lanes(_mm512_loadu_ps(acc + d))));
+}
+inline void store_row(float* o, const float* acc, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_loadu_ps(acc + d));
+}
+
+// Bit i set when key c0 + i is masked for this row (bool bytes).
+inline __mmask16 masked16(const bool* m) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m));
+  return static_cast<__mmask16>(_mm_movemask_epi8(_mm_cmpgt_epi8(bytes, _mm_setzero_si128())));
+}
+
+template <class E>
+void scores_block_t(const E* const* q, const bool* const* m, E* const* o, int rows, const E* kb, int64_t L, int64_t D,
+                    float scale, float* scratch) {
+  const int64_t chunks = D / 16;
+  float* qw = scratch;                // [rows][D]
+  float* kw = scratch + kBlockRows * D;  // [16][D]
+  for (int r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < chunks; ++i) _mm512_storeu_ps(qw + r * D + 16 * i, load_f32(q[r] + 16 * i));
+  int64_t c0 = 0;
+  for (; c0 + 16 <= L; c0 += 16) {
+    __mmask16 masked[kBlockRows];
+    bool any = false;
+    for (int r = 0; r < rows; ++r) {
+      masked[r] = masked16(m[r] + c0);
+      any = any || masked[r] != 0xffff;
+    }
+    if (any)
+      for (int j = 0; j < 16; ++j)
+        for (int64_t i = 0; i < chunks; ++i) _mm512_storeu_ps(kw + j * D + 16 * i, load_f32(kb + (c0 + j) * D + 16 * i));
+    for (int r = 0; r < rows; ++r) {
+      __m512 acc[16];
+      for (int s = 0; s < 16; ++s) acc[s] = _mm512_setzero_ps();
+      if (masked[r] != 0xffff) {
+        for (int64_t i = 0; i < chunks; ++i) {
+          const __m512 qv = _mm512_loadu_ps(qw + r * D + 16 * i);
+          for (int s = 0; s < 16; ++s)
+            acc[s] = _mm512_add_ps(acc[s], _mm512_mul_ps(qv, _mm512_loadu_ps(kw + kSlotKey[s] * D + 16 * i)));
+        }
+      }
+      store_scores(o[r] + c0, reduce16x16(acc), scale, masked[r]);
+    }
+  }
+  if (c0 < L)  // the last keys one at a time: the same bits
+    for (int r = 0; r < rows; ++r) scores_row_avx512(q[r], kb + c0 * D, m[r] + c0, o[r] + c0, L - c0, D, scale);
+}
+
+// acc[0, 16 P) += p[j] * v[j][0, 16 P) for keys j in order, skipping p[j] == 0
+// (values_row's order); v rows are D floats apart.
+template <int P, class E>
+inline void accumulate(float* acc, const E* p, const float* v, int64_t n, int64_t D) {
+  __m512 a[P];
+  for (int k = 0; k < P; ++k) a[k] = _mm512_loadu_ps(acc + 16 * k);
+  for (int64_t j = 0; j < n; ++j) {
+    const float pc = value(p, j);
+    if (pc == 0.0f) continue;  // as values_row: adds nothing
+    const __m512 pb = _mm512_set1_ps(pc);
+    for (int k = 0; k < P; ++k) a[k] = _mm512_add_ps(a[k], _mm512_mul_ps(pb, _mm512_loadu_ps(v + j * D + 16 * k)));
+  }
+  for (int k = 0; k < P; ++k) _mm512_storeu_ps(acc + 16 * k, a[k]);
+}
+
+template <class E>
+void values_block_t(const E* const* p, E* const* o, int rows, const E* vb, int64_t L, int64_t D, float* scratch) {
+  float* acc = scratch;                  // [rows][D]
+  float* vw = scratch + kBlockRows * D;  // [16][D]
+  for (int64_t i = 0; i < rows * D; ++i) acc[i] = 0.0f;
+  constexpr int64_t kPiece = 8;  // accumulator registers per row and pass: 8 x 16 columns
+  for (int64_t c0 = 0; c0 < L; c0 += 16) {
+    const int64_t n = L - c0 < 16 ? L - c0 : 16;
+    bool any = false;
+    for (int r = 0; r < rows && !any; ++r)
+      for (int64_t j = 0; j < n && !any; ++j) any = value(p[r], c0 + j) != 0.0f;
+    if (!any) continue;  // every row's weights are 0 here (masked): nothing to add
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vw + j * D + d, load_f32(vb + (c0 + j) * D + d));
+    for (int r = 0; r < rows; ++r)
+      for (int64_t d0 = 0; d0 < D; d0 += 16 * kPiece) {
+        const int64_t pieces = (D - d0) / 16 < kPiece ? (D - d0) / 16 : kPiece;
+        float* a = acc + r * D + d0;
+        const float* v = vw + d0;
+        switch (pieces) {  // the accumulators stay in registers only with a constant count
+          case 8: accumulate<8>(a, p[r] + c0, v, n, D); break;
+          case 7: accumulate<7>(a, p[r] + c0, v, n, D); break;
+          case 6: accumulate<6>(a, p[r] + c0, v, n, D); break;
+          case 5: accumulate<5>(a, p[r] + c0, v, n, D); break;
+          case 4: accumulate<4>(a, p[r] + c0, v, n, D); break;
+          case 3: accumulate<3>(a, p[r] + c0, v, n, D); break;
+          case 2: accumulate<2>(a, p[r] + c0, v, n, D); break;
+          default: accumulate<1>(a, p[r] + c0, v, n, D); break;
+        }
+      }
+  }
+  for (int r = 0; r < rows; ++r) store_row(o[r], acc + r * D, D);
+}
+
+}  // namespace
+
+void scores_block_avx512(const uint16_t* const* q, const bool* const* masked, uint16_t* const* out, int rows,
+                         const uint16_t* keys, int64_t L, int64_t D, float scale, float* scratch) {
+  scores_block_t(q, masked, out, rows, keys, L, D, scale, scratch);
+}
+void scores_block_avx512(const float* const* q, const bool* const* masked, float* const* out, int rows,
+                         const float* keys, int64_t L, int64_t D, float scale, float* scratch) {
+  scores_block_t(q, masked, out, rows, keys, L, D, scale, scratch);
+}
+void values_block_avx512(const uint16_t* const* probs, uint16_t* const* out, int rows, const uint16_t* values,
+                         int64_t L, int64_t D, float* scratch) {
+  values_block_t(probs, out, rows, values, L, D, scratch);
+}
+void values_block_avx512(const float* const* probs, float* const* out, int rows, const float* values, int64_t L,
+                         int64_t D, float* scratch) {
+  values_block_t(probs, out, rows, values, L, D, scratch);
 }
 
 }  // namespace dmi::kernels::detail

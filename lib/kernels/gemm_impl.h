@@ -71,6 +71,22 @@ bool scores_row_avx512(const uint16_t* q, const uint16_t* keys, const bool* mask
 bool scores_row_avx512(const float* q, const float* keys, const bool* masked, float* out, int64_t L, int64_t D,
                        float scale);
 
+// Rows of one KV head computed together (attention_avx512.cpp): up to
+// kBlockRows query rows against the same keys or values; row r reads q[r]
+// (or probs[r]) and masked[r], writes out[r]. scratch holds
+// (kBlockRows + 16) * D floats; D a multiple of 16, at most kBlockMaxD. Same
+// bits as the row functions.
+constexpr int kBlockRows = 16;
+constexpr int64_t kBlockMaxD = 512;
+void scores_block_avx512(const uint16_t* const* q, const bool* const* masked, uint16_t* const* out, int rows,
+                         const uint16_t* keys, int64_t L, int64_t D, float scale, float* scratch);
+void scores_block_avx512(const float* const* q, const bool* const* masked, float* const* out, int rows,
+                         const float* keys, int64_t L, int64_t D, float scale, float* scratch);
+void values_block_avx512(const uint16_t* const* probs, uint16_t* const* out, int rows, const uint16_t* values,
+                         int64_t L, int64_t D, float* scratch);
+void values_block_avx512(const float* const* probs, float* const* out, int rows, const float* values, int64_t L,
+                         int64_t D, float* scratch);
+
 // float -> bfloat16, round to nearest even (NaN stays NaN): c10::BFloat16's rule.
 static inline uint16_t to_bf16(float f) {
   uint32_t u;

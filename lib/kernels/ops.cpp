@@ -139,17 +139,26 @@ DMI_INLINE void values_row(const E* p, const E* vb, E* o, std::int64_t L, std::i
 template <class E>
 DMI_INLINE void softmax_row(const E* x, E* o, std::int64_t n, float* e) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  // Masked columns at the end (causal prefill rows, cache columns not yet
+  // attended) are 0 and add nothing: the sums below stop before them.
+  std::int64_t end = n;
+  for (bool all = true; all && end >= 16; ) {  // 16 at a time (vectorizes), then one by one
+    for (int j = 0; j < 16; ++j) all &= load(x, end - 16 + j) == neg_inf;
+    if (all) end -= 16;
+  }
+  while (end > 0 && load(x, end - 1) == neg_inf) --end;
   float mx = neg_inf;
-  for (std::int64_t i = 0; i < n; ++i) mx = std::max(mx, load(x, i));
+  for (std::int64_t i = 0; i < end; ++i) mx = std::max(mx, load(x, i));
   if (mx == neg_inf) mx = 0.0f;  // a fully masked row: all zeros, not NaN
-  for (std::int64_t i = 0; i < n; ++i) {
+  for (std::int64_t i = 0; i < end; ++i) {
     const float v = load(x, i);
     e[i] = v == neg_inf ? 0.0f : fast_exp(v - mx);
   }
   float sum = 0.0f;
-  for (std::int64_t i = 0; i < n; ++i) sum += e[i];  // in order: zeros change nothing
+  for (std::int64_t i = 0; i < end; ++i) sum += e[i];  // in order: zeros change nothing
   const float denom = sum > 0.0f ? sum : 1.0f;
-  for (std::int64_t i = 0; i < n; ++i) store(o, i, e[i] / denom);
+  for (std::int64_t i = 0; i < end; ++i) store(o, i, e[i] / denom);
+  for (std::int64_t i = end; i < n; ++i) store(o, i, 0.0f);
 }
 
 // The entry points the row loops below call, one per dtype, each cloned
@@ -207,6 +216,35 @@ void softmax_rows(const E* x, E* out, std::int64_t rows, std::int64_t n) {
   });
 }
 
+// Rows of one KV head in blocks (detail::scores_block_avx512 and
+// values_block_avx512): the G query heads of consecutive positions, at most
+// kBlockRows rows. Calls fn(b, kv, rows, row_h, row_t, scratch) per block,
+// blocks split over threads; false when the blocked kernels cannot run (no
+// AVX-512, or a head_dim they do not take).
+template <class Fn>
+bool for_head_blocks(std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KV, std::int64_t D, Fn fn) {
+  static const bool avx512 = static_cast<int>(detect_isa()) >= static_cast<int>(Isa::avx512);
+  const std::int64_t G = H / KV;
+  if (!avx512 || D % 16 != 0 || D > detail::kBlockMaxD || G > detail::kBlockRows) return false;
+  const std::int64_t per = std::max<std::int64_t>(1, detail::kBlockRows / G);  // positions per block
+  const std::int64_t tblocks = (T + per - 1) / per;
+  at::parallel_for(0, B * KV * tblocks, 1, [&](std::int64_t begin, std::int64_t end) {
+    std::vector<float> scratch(static_cast<std::size_t>((detail::kBlockRows + 16) * D));
+    std::int64_t row_h[detail::kBlockRows], row_t[detail::kBlockRows];
+    for (std::int64_t u = begin; u < end; ++u) {
+      const std::int64_t b = u / (KV * tblocks), kv = u / tblocks % KV, t0 = u % tblocks * per;
+      int rows = 0;
+      for (std::int64_t t = t0; t < std::min(T, t0 + per); ++t)
+        for (std::int64_t g = 0; g < G; ++g, ++rows) {
+          row_h[rows] = kv * G + g;
+          row_t[rows] = t;
+        }
+      fn(b, kv, rows, row_h, row_t, scratch.data());
+    }
+  });
+  return true;
+}
+
 template <class E>
 void scores_impl(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, const at::Tensor& masked, float scale,
                  at::Tensor& out) {
@@ -216,6 +254,20 @@ void scores_impl(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, co
   const E* kp = reinterpret_cast<const E*>(keys.data_ptr());
   const bool* mp = masked.data_ptr<bool>();
   E* op = reinterpret_cast<E*>(out.data_ptr());
+  const bool blocked = for_head_blocks(
+      B, T, H, KV, D, [&](std::int64_t b, std::int64_t kv, int rows, const std::int64_t* rh, const std::int64_t* rt,
+                          float* scratch) {
+        const E* qr[detail::kBlockRows];
+        const bool* mr[detail::kBlockRows];
+        E* orow[detail::kBlockRows];
+        for (int r = 0; r < rows; ++r) {
+          qr[r] = qp + ((b * T + rt[r]) * H + rh[r]) * D;
+          mr[r] = mp + (b * T + rt[r]) * L;
+          orow[r] = op + ((b * H + rh[r]) * T + rt[r]) * L;
+        }
+        detail::scores_block_avx512(qr, mr, orow, rows, kp + (b * KV + kv) * cap * D, L, D, scale, scratch);
+      });
+  if (blocked) return;
   at::parallel_for(0, B * H, 1, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t bh = begin; bh < end; ++bh) {
       const std::int64_t b = bh / H, h = bh % H, kv = h / G;
@@ -233,6 +285,18 @@ void values_impl(const at::Tensor& probs, const at::Tensor& values, std::int64_t
   const E* pp = reinterpret_cast<const E*>(probs.data_ptr());
   const E* vp = reinterpret_cast<const E*>(values.data_ptr());
   E* op = reinterpret_cast<E*>(out.data_ptr());
+  const bool blocked = for_head_blocks(
+      B, T, H, KV, D, [&](std::int64_t b, std::int64_t kv, int rows, const std::int64_t* rh, const std::int64_t* rt,
+                          float* scratch) {
+        const E* pr[detail::kBlockRows];
+        E* orow[detail::kBlockRows];
+        for (int r = 0; r < rows; ++r) {
+          pr[r] = pp + ((b * H + rh[r]) * T + rt[r]) * L;
+          orow[r] = op + ((b * T + rt[r]) * H + rh[r]) * D;
+        }
+        detail::values_block_avx512(pr, orow, rows, vp + (b * KV + kv) * cap * D, L, D, scratch);
+      });
+  if (blocked) return;
   at::parallel_for(0, B * H, 1, [&](std::int64_t begin, std::int64_t end) {
     std::vector<float> acc(static_cast<std::size_t>(2 * D));
     for (std::int64_t bh = begin; bh < end; ++bh) {

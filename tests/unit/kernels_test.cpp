@@ -195,6 +195,98 @@ TEST_CASE("ops: decode attention equals the matmul path and does not depend on t
   }
 }
 
+namespace {
+
+// The portable attention arithmetic, written out: a score is the dot product
+// in 16 fp32 lanes (lane l sums q[l + 16 i] * k[l + 16 i] over i), the lanes
+// added pairwise (l + 8, + 4, + 2, + 1), rounded to the dtype, times scale,
+// rounded; a value output sums p * v over keys in order, skipping p == 0.
+float ref_round(float v, at::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? static_cast<float>(c10::BFloat16(v)) : v;
+}
+
+at::Tensor ref_scores(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, const at::Tensor& masked,
+                      float scale) {
+  const auto dtype = q.scalar_type();
+  const std::int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3), G = H / keys.size(1);
+  at::Tensor qf = q.to(at::kFloat).contiguous(), kf = keys.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({B, H, T, L}, at::kFloat);
+  auto qa = qf.accessor<float, 4>(), ka = kf.accessor<float, 4>();
+  auto ma = masked.accessor<bool, 4>();
+  auto oa = out.accessor<float, 4>();
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < T; ++t)
+        for (std::int64_t c = 0; c < L; ++c) {
+          if (ma[b][0][t][c]) {
+            oa[b][h][t][c] = -std::numeric_limits<float>::infinity();
+            continue;
+          }
+          float lane[16] = {};
+          for (std::int64_t d = 0; d < D; ++d) lane[d % 16] += qa[b][t][h][d] * ka[b][h / G][c][d];
+          for (int w = 8; w >= 1; w /= 2)
+            for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+          oa[b][h][t][c] = ref_round(ref_round(lane[0], dtype) * scale, dtype);
+        }
+  return out.to(dtype);
+}
+
+at::Tensor ref_values(const at::Tensor& probs, const at::Tensor& values, std::int64_t L) {
+  const auto dtype = probs.scalar_type();
+  const std::int64_t B = probs.size(0), H = probs.size(1), T = probs.size(2), D = values.size(3);
+  const std::int64_t G = H / values.size(1);
+  at::Tensor pf = probs.to(at::kFloat).contiguous(), vf = values.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({B, T, H, D}, at::kFloat);
+  auto pa = pf.accessor<float, 4>(), va = vf.accessor<float, 4>();
+  auto oa = out.accessor<float, 4>();
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < T; ++t)
+        for (std::int64_t d = 0; d < D; ++d) {
+          float acc = 0.0f;
+          for (std::int64_t c = 0; c < L; ++c)
+            if (pa[b][h][t][c] != 0.0f) acc += pa[b][h][t][c] * va[b][h / G][c][d];
+          oa[b][t][h][d] = acc;
+        }
+  return out.to(dtype);
+}
+
+}  // namespace
+
+TEST_CASE("ops: prefill attention (blocks of rows) has the portable arithmetic's bits, row by row") {
+  at::manual_seed(11);
+  // head_dim 48 (three 16-lane chunks) and 128; G = 1, 2, 4, 8; lengths that
+  // leave partial key blocks and partial position blocks; causal and padding
+  // masks; the cache written from column `start` on.
+  struct Case { std::int64_t B, T, H, KV, D, start; };
+  for (const Case cs : {Case{2, 37, 8, 2, 48, 5}, Case{1, 16, 4, 4, 128, 0}, Case{3, 9, 16, 2, 64, 20},
+                        Case{2, 1, 8, 1, 128, 40}}) {
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      CAPTURE(cs.T);
+      CAPTURE(cs.D);
+      CAPTURE(c10::toString(dtype));
+      const std::int64_t L = cs.start + cs.T, cap = L + 3;
+      at::Tensor q = at::randn({cs.B, cs.T, cs.H, cs.D}).to(dtype);
+      at::Tensor keys = at::randn({cs.B, cs.KV, cap, cs.D}).to(dtype), values = at::randn({cs.B, cs.KV, cap, cs.D}).to(dtype);
+      at::Tensor qcol = at::arange(cs.start, L).view({cs.T, 1}), kcol = at::arange(0, L).view({1, L});
+      at::Tensor pad = at::arange(0, L).view({1, L}) < at::randint(0, cs.start + 1, {cs.B, 1});  // left padding
+      at::Tensor masked = ((kcol > qcol).unsqueeze(0).logical_or(pad.unsqueeze(1)))
+                              .logical_and((kcol != qcol).unsqueeze(0)).unsqueeze(1);  // [B, 1, T, L]
+      const float scale = 1.0f / std::sqrt(static_cast<float>(cs.D));
+      at::Tensor s = dmi::kernels::attention_scores(q, keys, L, masked, scale);
+      CHECK(at::equal(s, ref_scores(q, keys, L, masked, scale)));
+      at::Tensor p = dmi::kernels::softmax(s);
+      at::Tensor z = dmi::kernels::attention_values(p, values, L);
+      CHECK(at::equal(z, ref_values(p, values, L)));
+      // The last position alone (a decode step): the same bits as its prefill row.
+      const std::int64_t t = cs.T - 1;
+      at::Tensor s1 = dmi::kernels::attention_scores(q.narrow(1, t, 1), keys, L, masked.narrow(2, t, 1), scale);
+      CHECK(at::equal(s1, s.narrow(2, t, 1)));
+      CHECK(at::equal(dmi::kernels::attention_values(p.narrow(2, t, 1), values, L), z.narrow(1, t, 1)));
+    }
+  }
+}
+
 TEST_CASE("ops: softmax in float32 (masked entries exactly 0), fast exp, padding changes no bit") {
   at::manual_seed(8);
   for (auto dtype : {at::kFloat, at::kBFloat16}) {

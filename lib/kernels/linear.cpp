@@ -6,6 +6,8 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdlib>
 
 #include "common/error.h"
@@ -167,12 +169,21 @@ at::Tensor PackedLinear::run(const at::Tensor& x, Isa isa) const {
   a.K = kp_;
   a.N = n_;
   // Threads split the output columns (whole panels): each output is still
-  // computed by one thread, in one order.
-  at::parallel_for(0, (n_ + kPanel - 1) / kPanel, 1, [&](std::int64_t begin, std::int64_t end) {
+  // computed by one thread, in one order. They take chunks of panels from a
+  // shared counter rather than fixed halves, so a thread slowed by a busy
+  // core does not leave the other waiting at the end (on 2 shared cores the
+  // static split spent ~15 % of a decode step in OpenMP's barrier).
+  const std::int64_t panels = (n_ + kPanel - 1) / kPanel;
+  const std::int64_t threads = std::min<std::int64_t>(at::get_num_threads(), panels);
+  const std::int64_t chunk = std::max<std::int64_t>(1, panels / (8 * threads));
+  std::atomic<std::int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](std::int64_t, std::int64_t) {
     GemmArgs part = a;
-    part.panel_begin = begin;
-    part.panel_end = end;
-    fn(part);
+    for (std::int64_t begin; (begin = next.fetch_add(chunk, std::memory_order_relaxed)) < panels;) {
+      part.panel_begin = begin;
+      part.panel_end = std::min(panels, begin + chunk);
+      fn(part);
+    }
   });
   return y.view(sizes);
 }

@@ -10,16 +10,15 @@ namespace dmi::kernels::detail {
 namespace {
 
 template <int MR>
-void tile_bf16w(const GemmArgs& a, int64_t m0, int64_t p) {
+void tile_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, float* out, bool first) {
   const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel;
   const float* x = static_cast<const float*>(a.x) + m0 * a.x_stride;
   const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   __m512 acc[MR][4];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(out + r * kPanel + 16 * j);
   const bool pf = streams(m0);
-  const int64_t pairs = a.K / 2;
-  for (int64_t kp = 0; kp < pairs; ++kp) {
+  for (int64_t kp = k0; kp < k1; ++kp) {
     const uint16_t* wk = w + kp * 2 * kPanel;
     if (pf) prefetch_ahead(wk);
     __m512 even[4], odd[4];
@@ -37,21 +36,19 @@ void tile_bf16w(const GemmArgs& a, int64_t m0, int64_t p) {
       }
     }
   }
-  alignas(64) float out[MR * kPanel];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j) _mm512_store_ps(out + r * kPanel + 16 * j, acc[r][j]);
-  store_tile(a, m0, MR, p, out);
 }
 
 template <int MR>
-void tile_f32w(const GemmArgs& a, int64_t m0, int64_t p) {
+void tile_f32w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, float* out, bool first) {
   const float* w = static_cast<const float*>(a.w) + p * a.K * kPanel;
   const float* x = static_cast<const float*>(a.x) + m0 * a.x_stride;
   __m512 acc[MR][4];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(out + r * kPanel + 16 * j);
   const bool pf = streams(m0);
-  for (int64_t k = 0; k < a.K; ++k) {
+  for (int64_t k = k0; k < k1; ++k) {
     const float* wk = w + k * kPanel;
     if (pf) prefetch_ahead(wk);
     __m512 wv[4];
@@ -61,20 +58,22 @@ void tile_f32w(const GemmArgs& a, int64_t m0, int64_t p) {
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], b, acc[r][j]);
     }
   }
-  alignas(64) float out[MR * kPanel];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j) _mm512_store_ps(out + r * kPanel + 16 * j, acc[r][j]);
-  store_tile(a, m0, MR, p, out);
 }
 
 }  // namespace
 
 void gemm_bf16w_avx512(const GemmArgs& a) {
-  drive<4>(a, [&](auto mr, int64_t m, int64_t p) { tile_bf16w<decltype(mr)::value>(a, m, p); });
+  drive<4>(a, a.K / 2, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first) {
+    tile_bf16w<decltype(mr)::value>(a, m, p, k0, k1, acc, first);
+  });
 }
 
 void gemm_f32w_avx512(const GemmArgs& a) {
-  drive<6>(a, [&](auto mr, int64_t m, int64_t p) { tile_f32w<decltype(mr)::value>(a, m, p); });
+  drive<6>(a, a.K, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first) {
+    tile_f32w<decltype(mr)::value>(a, m, p, k0, k1, acc, first);
+  });
 }
 
 }  // namespace dmi::kernels::detail

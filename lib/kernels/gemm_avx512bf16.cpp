@@ -11,15 +11,14 @@ namespace dmi::kernels::detail {
 namespace {
 
 template <int MR>
-void tile(const GemmArgs& a, int64_t m0, int64_t p) {
+void tile(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, float* out, bool first) {
   const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel;
   const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * a.x_stride;
   __m512 acc[MR][4];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(out + r * kPanel + 16 * j);
   const bool pf = streams(m0);
-  const int64_t pairs = a.K / 2;
-  for (int64_t kp = 0; kp < pairs; ++kp) {
+  for (int64_t kp = k0; kp < k1; ++kp) {
     const uint16_t* wk = w + kp * 2 * kPanel;
     if (pf) prefetch_ahead(wk);
     __m512bh wv[4];
@@ -31,16 +30,16 @@ void tile(const GemmArgs& a, int64_t m0, int64_t p) {
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], b);
     }
   }
-  alignas(64) float out[MR * kPanel];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j) _mm512_store_ps(out + r * kPanel + 16 * j, acc[r][j]);
-  store_tile(a, m0, MR, p, out);
 }
 
 }  // namespace
 
 void gemm_bf16w_avx512bf16(const GemmArgs& a) {
-  drive<6>(a, [&](auto mr, int64_t m, int64_t p) { tile<decltype(mr)::value>(a, m, p); });
+  drive<6>(a, a.K / 2, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first) {
+    tile<decltype(mr)::value>(a, m, p, k0, k1, acc, first);
+  });
 }
 
 }  // namespace dmi::kernels::detail

@@ -115,32 +115,66 @@ static inline void store_tile(const GemmArgs& a, int64_t m0, int mr, int64_t p, 
   }
 }
 
-// Rows are processed in blocks of kRowBlock (the block's x stays in L2 while
-// the thread's panels stream past it), each block in tiles of up to MaxMR
-// rows: tile(Int<MR>{}, m0, p) computes rows [m0, m0 + MR) of panel p.
+// A tile computes rows [m0, m0 + MR) of panel p over k units [k0, k1) (bf16
+// pairs, or fp32 k): tile(Int<MR>{}, m0, p, k0, k1, acc, first), where acc
+// holds the tile's MR x 64 accumulators (row r at acc + 64 r), read unless
+// first (then zero) and written back. Summing over k in order across calls
+// keeps each output's one accumulator and one order: the same bits however
+// k is split.
+//
+// Many rows (prefill): rows in blocks of kRowBlock (the block's x stays in L2
+// while the thread's panels stream past it), each block in tiles of up to
+// MaxMR rows over the whole depth.
+// Decode-sized batches (more than one tile, at most kSmallM rows): every tile
+// of a panel walks it kKBlock units at a time, so the weights stream from
+// memory once and without pause (the first tile prefetches; the others find
+// the block in L1). Whole-depth tiles would leave memory idle while the
+// second tile re-read the panel from L2 (~9 % of a batch-8 decode step).
+constexpr int64_t kSmallM = 32;
+constexpr int64_t kKBlock = 32;  // 8 KiB of a panel: 64 columns x 32 bf16 pairs or 32 floats
 
 template <int N>
 struct Int {
   static constexpr int value = N;
 };
 
-template <int R, class Tile>
-static inline void drive_tail(Tile& tile, int64_t m, int64_t p, int64_t rest) {
+template <int R, class Fn>
+static inline void tail_tile(Fn& fn, int64_t m, int64_t rest) {
   if constexpr (R > 0) {
-    if (rest == R) tile(Int<R>{}, m, p);
-    else drive_tail<R - 1>(tile, m, p, rest);
+    if (rest == R) fn(Int<R>{}, m);
+    else tail_tile<R - 1>(fn, m, rest);
   }
 }
 
+// fn(Int<MR>{}, m) for tiles covering rows [mb, me).
+template <int MaxMR, class Fn>
+static inline void for_tiles(int64_t mb, int64_t me, Fn fn) {
+  int64_t m = mb;
+  for (; m + MaxMR <= me; m += MaxMR) fn(Int<MaxMR>{}, m);
+  tail_tile<MaxMR - 1>(fn, m, me - m);
+}
+
 template <int MaxMR, class Tile>
-static inline void drive(const GemmArgs& a, Tile tile) {
+static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
+  if (a.M > MaxMR && a.M <= kSmallM) {
+    alignas(64) float acc[kSmallM * kPanel];
+    for (int64_t p = a.panel_begin; p < a.panel_end; ++p) {
+      for (int64_t k0 = 0; k0 < units; k0 += kKBlock) {
+        const int64_t k1 = units < k0 + kKBlock ? units : k0 + kKBlock;
+        for_tiles<MaxMR>(0, a.M, [&](auto mr, int64_t m) { tile(mr, m, p, k0, k1, acc + m * kPanel, k0 == 0); });
+      }
+      store_tile(a, 0, static_cast<int>(a.M), p, acc);
+    }
+    return;
+  }
+  alignas(64) float acc[MaxMR * kPanel];
   for (int64_t mb = 0; mb < a.M; mb += kRowBlock) {
     const int64_t me = a.M < mb + kRowBlock ? a.M : mb + kRowBlock;
-    for (int64_t p = a.panel_begin; p < a.panel_end; ++p) {
-      int64_t m = mb;
-      for (; m + MaxMR <= me; m += MaxMR) tile(Int<MaxMR>{}, m, p);
-      drive_tail<MaxMR - 1>(tile, m, p, me - m);
-    }
+    for (int64_t p = a.panel_begin; p < a.panel_end; ++p)
+      for_tiles<MaxMR>(mb, me, [&](auto mr, int64_t m) {
+        tile(mr, m, p, 0, units, acc, true);
+        store_tile(a, m, decltype(mr)::value, p, acc);
+      });
   }
 }
 

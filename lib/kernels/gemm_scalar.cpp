@@ -18,28 +18,26 @@ float bf16_to_float(uint16_t h) {
 }  // namespace
 
 void gemm_bf16w_scalar(const GemmArgs& a) {
-  drive<1>(a, [&](auto, int64_t m, int64_t p) {
+  drive<1>(a, a.K / 2, [&](auto, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first) {
     const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel;
     const float* x = static_cast<const float*>(a.x) + m * a.x_stride;
-    float acc[kPanel] = {};
-    for (int64_t kp = 0; kp < a.K / 2; ++kp)
+    if (first) memset(acc, 0, sizeof(float) * kPanel);
+    for (int64_t kp = k0; kp < k1; ++kp)
       for (int64_t n = 0; n < kPanel; ++n) {
         const uint16_t* pair = w + (kp * kPanel + n) * 2;
         acc[n] = fmaf(bf16_to_float(pair[0]), x[2 * kp], acc[n]);
         acc[n] = fmaf(bf16_to_float(pair[1]), x[2 * kp + 1], acc[n]);
       }
-    store_tile(a, m, 1, p, acc);
   });
 }
 
 void gemm_f32w_scalar(const GemmArgs& a) {
-  drive<1>(a, [&](auto, int64_t m, int64_t p) {
+  drive<1>(a, a.K, [&](auto, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first) {
     const float* w = static_cast<const float*>(a.w) + p * a.K * kPanel;
     const float* x = static_cast<const float*>(a.x) + m * a.x_stride;
-    float acc[kPanel] = {};
-    for (int64_t k = 0; k < a.K; ++k)
+    if (first) memset(acc, 0, sizeof(float) * kPanel);
+    for (int64_t k = k0; k < k1; ++k)
       for (int64_t n = 0; n < kPanel; ++n) acc[n] = fmaf(w[k * kPanel + n], x[k], acc[n]);
-    store_tile(a, m, 1, p, acc);
   });
 }
 

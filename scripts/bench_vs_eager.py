@@ -5,7 +5,8 @@ Each round runs, in an order rotated from round to round, (1) the eager
 baseline scripts/hf_eager_bench.py, (2) dmi-bench's `off` mode (no capture)
 with the kernels dmi picks for this CPU, and, with --before KERNELS, (3)
 dmi-bench again with DMI_KERNELS=KERNELS (e.g. `aten`: ATen's at::linear,
-the engine before lib/kernels). Every engine gets one warm-up per run.
+the engine before lib/kernels), and with --before-bench PATH (4) another
+dmi-bench binary, e.g. one built from an earlier commit. Every engine gets one warm-up per run.
 Ratios are taken within a round and reported as the median and range over
 rounds, so that a noisy neighbour hits all engines alike.
 
@@ -60,8 +61,8 @@ def run_eager(a, out):
     return res, {}
 
 
-def run_dmi(a, out, kernels=None):
-    cmd = [a.dmi_bench, "--model", a.model, "--dtype", a.dtype, "--batch-sizes", a.batch_sizes, "--prompt-len",
+def run_dmi(a, out, kernels=None, binary=None):
+    cmd = [binary or a.dmi_bench, "--model", a.model, "--dtype", a.dtype, "--batch-sizes", a.batch_sizes, "--prompt-len",
            str(a.prompt_len), "--new-tokens", str(a.new_tokens), "--modes", "off", "--repeats", "1", "--warmup", "1",
            "--json", out, "-q"]
     if a.threads:
@@ -92,6 +93,8 @@ def main():
     ap.add_argument("--emulate-no-bf16", action="store_true",
                     help="cap oneDNN and dmi's kernels below AVX512-BF16 (see above)")
     ap.add_argument("--dmi-bench", default=os.path.join(ROOT, "build", "bin", "dmi-bench"))
+    ap.add_argument("--before-bench", metavar="PATH",
+                    help="also run this dmi-bench binary (e.g. one built from an earlier commit) as 'dmi[before]'")
     ap.add_argument("--json", help="write every round's numbers here")
     a = ap.parse_args()
     if a.rounds < 1 or a.new_tokens < 2:
@@ -99,6 +102,10 @@ def main():
     engines = [("eager", lambda out: run_eager(a, out)), ("dmi", lambda out: run_dmi(a, out))]
     if a.before:
         engines.append((f"dmi[{a.before}]", lambda out: run_dmi(a, out, a.before)))
+    if a.before_bench:
+        if not os.access(a.before_bench, os.X_OK):
+            sys.exit(f"bench_vs_eager: --before-bench {a.before_bench}: not an executable file")
+        engines.append(("dmi[before]", lambda out: run_dmi(a, out, binary=a.before_bench)))
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):

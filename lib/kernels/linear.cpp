@@ -175,7 +175,10 @@ at::Tensor PackedLinear::run(const at::Tensor& x, Isa isa) const {
   // static split spent ~15 % of a decode step in OpenMP's barrier).
   const std::int64_t panels = (n_ + kPanel - 1) / kPanel;
   const std::int64_t threads = std::min<std::int64_t>(at::get_num_threads(), panels);
-  const std::int64_t chunk = std::max<std::int64_t>(1, panels / (8 * threads));
+  // Prefill-sized inputs keep one contiguous share per thread: each x row
+  // block is then reused across all of a thread's panels while it is in cache.
+  const std::int64_t chunk = M > detail::kSmallM ? (panels + threads - 1) / threads
+                                                 : std::max<std::int64_t>(1, panels / (8 * threads));
   std::atomic<std::int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](std::int64_t, std::int64_t) {
     GemmArgs part = a;

@@ -126,8 +126,9 @@ int configure_threads(int n) {
   // A forward pass frees and reallocates the same activation sizes every
   // layer. glibc returns blocks above its mmap threshold (128 KiB, raised
   // dynamically) to the kernel, so each layer page-faulted and zeroed its
-  // buffers again: ~11 % of a batch-8, 256-token prefill in a perf profile on
-  // a 2-core VM, where page faults are expensive. Keep freed memory in the
+  // buffers again: ~11 % of the samples of a perf profile of batch-8,
+  // 256-token prefills (model load included) on a 2-core VM, where page
+  // faults are expensive. Keep freed memory in the
   // heap instead (blocks above 32 MiB, glibc's largest threshold, are still
   // mapped per allocation).
   static const bool allocator = [] {

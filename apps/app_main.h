@@ -62,9 +62,11 @@ inline std::string default_model_dir() {
 }
 #endif
 
-// Parses argv; on --help prints and returns 0, on a bad flag prints one line
-// and returns 2; returns -1 when the tool should go on.
+// Parses argv; on --help or --version ("dmi-run 0.1.0") prints and returns 0,
+// on a bad flag prints one line and returns 2; returns -1 when the tool
+// should go on.
 inline int parse_args(const char* tool, CLI::App& app, int argc, char** argv) {
+  app.set_version_flag("--version", std::string(tool) + " " + DMI_VERSION, "print the tool's name and version, and exit");
   try {
     app.parse(argc, argv);
     return -1;

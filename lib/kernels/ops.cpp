@@ -177,10 +177,15 @@ DMI_CLONES void values_row_any(const bf16* p, const bf16* v, bf16* o, std::int64
 DMI_CLONES void scores_row_cloned(const float* q, const float* k, const bool* m, float* o, std::int64_t L, std::int64_t D, float s) { scores_row(q, k, m, o, L, D, s); }
 DMI_CLONES void scores_row_cloned(const bf16* q, const bf16* k, const bool* m, bf16* o, std::int64_t L, std::int64_t D, float s) { scores_row(q, k, m, o, L, D, s); }
 
+// The AVX-512 attention kernels (attention_avx512.cpp) run on this CPU.
+bool has_avx512() {
+  static const bool yes = static_cast<int>(detect_isa()) >= static_cast<int>(Isa::avx512);
+  return yes;
+}
+
 template <class E>
 void scores_row_any(const E* q, const E* k, const bool* m, E* o, std::int64_t L, std::int64_t D, float s) {
-  static const bool avx512 = static_cast<int>(detect_isa()) >= static_cast<int>(Isa::avx512);
-  if (!avx512 || !detail::scores_row_avx512(q, k, m, o, L, D, s)) scores_row_cloned(q, k, m, o, L, D, s);
+  if (!has_avx512() || !detail::scores_row_avx512(q, k, m, o, L, D, s)) scores_row_cloned(q, k, m, o, L, D, s);
 }
 
 template <class E>
@@ -223,9 +228,8 @@ void softmax_rows(const E* x, E* out, std::int64_t rows, std::int64_t n) {
 // AVX-512, or a head_dim they do not take).
 template <class Fn>
 bool for_head_blocks(std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KV, std::int64_t D, Fn fn) {
-  static const bool avx512 = static_cast<int>(detect_isa()) >= static_cast<int>(Isa::avx512);
   const std::int64_t G = H / KV;
-  if (!avx512 || D % 16 != 0 || D > detail::kBlockMaxD || G > detail::kBlockRows) return false;
+  if (!has_avx512() || D % 16 != 0 || D > detail::kBlockMaxD || G > detail::kBlockRows) return false;
   const std::int64_t per = std::max<std::int64_t>(1, detail::kBlockRows / G);  // positions per block
   const std::int64_t tblocks = (T + per - 1) / per;
   at::parallel_for(0, B * KV * tblocks, 1, [&](std::int64_t begin, std::int64_t end) {

@@ -32,8 +32,10 @@ constexpr int64_t kRowBlock = 128;
 // 1, 2 threads (AVX512-BF16 EPYC): no prefetch 37 GB/s, 2 KiB 38, 4 KiB 46,
 // 8 KiB 54, 16 KiB 55, 32 KiB 55 (what a 1 GiB sum() reads at: 57). Later,
 // interleaved in one process (all projections, batch 1): 32 KiB took
-// 0.83-0.93x the time of 16 KiB in 4 of 4 runs; at batch 8 it won 1 of 2.
-constexpr int64_t kPrefetch = 32768;
+// 0.83-0.93x the time of 16 KiB in 4 of 4 runs, but end to end (dmi-bench,
+// 2 alternating rounds on a quiet machine) its TPOT was worse at batch 1
+// and 8 in every round (25.3/26.0 vs 24.8/24.1 ms at batch 1): kept at 16.
+constexpr int64_t kPrefetch = 16384;
 // Only the first tile of a row block prefetches: it brings the panel in from
 // memory, the block's other tiles find it in cache.
 static inline bool streams(int64_t m0) { return m0 % kRowBlock == 0; }

@@ -71,6 +71,43 @@ void check_output_path(const CaptureConfig& c) {
   }
 }
 
+namespace {
+// At most how many rows each site gets (sink::StreamInfo::expected_rows).
+// Sequence i has its prompt's p_i tokens and at most
+// min(max_new, width - p_i) generated ones; the last is never fed back (no
+// rows), and of the others every `every`-th is captured. 0 when the prompts
+// are not known; max_new 0 when unknown (width alone bounds it).
+std::int64_t expected_rows(hooks::TokenPolicy policy, std::int64_t every, bool token_log,
+                           const std::vector<std::vector<std::int32_t>>& prompts, std::int64_t width,
+                           std::int64_t max_new) {
+  std::int64_t rows = 0;
+  for (const auto& p : prompts) {
+    const std::int64_t n = static_cast<std::int64_t>(p.size());
+    std::int64_t gen = std::max<std::int64_t>(width - n, 0);
+    if (max_new > 0) gen = std::min(gen, max_new);
+    if (token_log) {
+      rows += n + gen;
+      continue;
+    }
+    const std::int64_t e = std::max<std::int64_t>(every, 1);
+    const std::int64_t fed = (std::max<std::int64_t>(gen - 1, 0) + e - 1) / e;
+    switch (policy) {
+      case hooks::TokenPolicy::all: rows += n + fed; break;
+      case hooks::TokenPolicy::prompt: rows += n; break;
+      case hooks::TokenPolicy::generated: rows += fed; break;
+      case hooks::TokenPolicy::last_prompt: rows += 1; break;
+    }
+  }
+  return rows;
+}
+
+std::int64_t int_info(const sink::RunInfo& info, const std::string& name) {
+  for (const auto& [k, v] : info.ints)
+    if (k == name) return v;
+  return 0;
+}
+}  // namespace
+
 CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, const hooks::SiteSpace& space,
                        at::ScalarType model_dtype, std::int64_t max_len, const sink::RunInfo& info,
                        const io::Tokenizer* tokenizer) {
@@ -79,6 +116,7 @@ CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, const
   o.selection = hooks::Selection::parse(c.hooks, space);
   DMI_CHECK(!o.selection.empty(), "--hooks '{}' selects no site", c.hooks);
   o.tokens = hooks::parse_token_policy(c.tokens);
+  const hooks::TokenPolicy policy = o.tokens;
   o.every = c.every;
   o.logits_topk = parse_topk(c.logits);
   o.capture_dtype = parse_capture_dtype(c.capture_dtype);
@@ -108,11 +146,15 @@ CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, const
   for (const auto& m : c.monitors) stops_on_ = stops_on_ || analysis::monitor_stops(m);
   // The sites' streams, then the token log's.
   std::vector<sink::StreamInfo> streams = point_->streams();
+  const std::int64_t max_new = int_info(info, "max_new_tokens");
+  const std::int64_t site_rows = expected_rows(policy, c.every, false, info.prompt_ids, max_len, max_new);
+  for (auto& st : streams) st.expected_rows = site_rows;
   token_stream_ = static_cast<std::uint16_t>(streams.size());
   sink::StreamInfo log;
   log.name = "token_log";
   log.dtype = at::kInt;
   log.layout = sink::Layout::token_log;
+  log.expected_rows = expected_rows(policy, c.every, true, info.prompt_ids, max_len, max_new);
   streams.push_back(log);
   sink_->open(streams);
   const std::size_t n = streams.size();

@@ -148,8 +148,10 @@ struct WriteError {};
 // rows of the unfinished chunk too (at each flush), finish() at close.
 class Table {
  public:
+  // expected_rows (0: unknown) is how many rows the table will get, an upper
+  // bound: the chunks of a table that will stay small are no larger than it.
   Table(hid_t group, const std::string& name, hid_t type, const std::vector<std::int64_t>& row_shape,
-        const Compression& comp, std::size_t max_chunk_rows = 8192)
+        const Compression& comp, std::int64_t expected_rows, std::size_t max_chunk_rows = 8192)
       : rank_(1 + static_cast<int>(row_shape.size())), direct_(!comp.shuffle && !comp.gzip) {
     std::vector<hsize_t> dims(rank_, 0), maxdims(rank_, H5S_UNLIMITED), chunk(rank_);
     row_bytes_ = H5Tget_size(type);
@@ -157,10 +159,16 @@ class Table {
       dims[i + 1] = maxdims[i + 1] = chunk[i + 1] = static_cast<hsize_t>(row_shape[i]);
       row_bytes_ *= static_cast<std::size_t>(row_shape[i]);
     }
-    // ~128 KiB chunks of whole rows: a small capture does not pay for large,
-    // mostly empty chunks, and a reader of a few rows reads little.
-    chunk[0] = static_cast<hsize_t>(
-        std::clamp<std::size_t>((128u << 10) / std::max<std::size_t>(row_bytes_, 1), 1, max_chunk_rows));
+    // Chunks of whole rows, at most ~128 KiB (a reader of a few rows reads
+    // little). A chunk is stored whole, so when the rows the table will get
+    // are known, they are split evenly into as few chunks as that allows: a
+    // small capture is not mostly empty chunks.
+    std::size_t rows = std::clamp<std::size_t>((128u << 10) / std::max<std::size_t>(row_bytes_, 1), 1, max_chunk_rows);
+    if (expected_rows > 0) {
+      const std::size_t e = static_cast<std::size_t>(expected_rows), chunks = (e + rows - 1) / rows;
+      rows = (e + chunks - 1) / chunks;
+    }
+    chunk[0] = static_cast<hsize_t>(rows);
     chunk_rows_ = chunk[0];
     row_dims_.assign(dims.begin() + 1, dims.end());
     hid_t space = H5Screate_simple(rank_, dims.data(), maxdims.data());
@@ -453,7 +461,7 @@ class Hdf5Sink final : public Sink {
     for (std::size_t i = 0; i < streams.size(); ++i) {
       const auto& si = streams[i];
       if (si.layout == Layout::token_log) {
-        open_token_log(static_cast<std::uint16_t>(i));
+        open_token_log(static_cast<std::uint16_t>(i), si.expected_rows);
         streams_.push_back(nullptr);
         continue;
       }
@@ -469,22 +477,22 @@ class Hdf5Sink final : public Sink {
       if (si.layout == Layout::topk) {
         const std::int64_t k = si.row_shape.back();
         hid_t f32 = H5Tcopy(H5T_IEEE_F32LE), i32 = H5Tcopy(H5T_STD_I32LE);
-        s->data = std::make_unique<Table>(s->group, "data", f32, std::vector<std::int64_t>{k}, comp_);
-        s->ids = std::make_unique<Table>(s->group, "ids", i32, std::vector<std::int64_t>{k}, comp_);
+        s->data = std::make_unique<Table>(s->group, "data", f32, std::vector<std::int64_t>{k}, comp_, si.expected_rows);
+        s->ids = std::make_unique<Table>(s->group, "ids", i32, std::vector<std::int64_t>{k}, comp_, si.expected_rows);
         H5Tclose(f32);
         H5Tclose(i32);
         set_attr_text(s->group, "layout", "topk");
       } else {
         hid_t t = h5_type(si.dtype);
-        s->data = std::make_unique<Table>(s->group, "data", t, si.row_shape, comp_);
+        s->data = std::make_unique<Table>(s->group, "data", t, si.row_shape, comp_, si.expected_rows);
         H5Tclose(t);
         set_attr_text(s->group, "layout", si.layout == Layout::attention ? "attention" : "dense");
       }
       hid_t i32 = H5Tcopy(H5T_STD_I32LE);
       // Small index chunks (4 KiB): after a full disk they still fit in the
       // reserve, so the data rows that reached the disk stay addressable.
-      s->seq = std::make_unique<Table>(s->group, "seq", i32, std::vector<std::int64_t>{}, comp_, 1024);
-      s->pos = std::make_unique<Table>(s->group, "pos", i32, std::vector<std::int64_t>{}, comp_, 1024);
+      s->seq = std::make_unique<Table>(s->group, "seq", i32, std::vector<std::int64_t>{}, comp_, si.expected_rows, 1024);
+      s->pos = std::make_unique<Table>(s->group, "pos", i32, std::vector<std::int64_t>{}, comp_, si.expected_rows, 1024);
       H5Tclose(i32);
       streams_.push_back(std::move(s));
     }
@@ -602,16 +610,16 @@ class Hdf5Sink final : public Sink {
   }
 
  private:
-  void open_token_log(std::uint16_t stream) {
+  void open_token_log(std::uint16_t stream, std::int64_t expected_rows) {
     token_stream_ = stream;
     token_log_ = std::make_unique<TokenLog>();
     token_log_->group = H5Gcreate2(file_, "token_log", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
     DMI_CHECK(token_log_->group >= 0, "{}: cannot create /token_log", path_);
     hid_t i32 = H5Tcopy(H5T_STD_I32LE);
     const std::vector<std::int64_t> scalar;
-    token_log_->seq = std::make_unique<Table>(token_log_->group, "seq", i32, scalar, comp_, 1024);
-    token_log_->pos = std::make_unique<Table>(token_log_->group, "pos", i32, scalar, comp_, 1024);
-    token_log_->token = std::make_unique<Table>(token_log_->group, "token", i32, scalar, comp_, 1024);
+    token_log_->seq = std::make_unique<Table>(token_log_->group, "seq", i32, scalar, comp_, expected_rows, 1024);
+    token_log_->pos = std::make_unique<Table>(token_log_->group, "pos", i32, scalar, comp_, expected_rows, 1024);
+    token_log_->token = std::make_unique<Table>(token_log_->group, "token", i32, scalar, comp_, expected_rows, 1024);
     H5Tclose(i32);
     for (std::size_t s = 0; s < prompt_ids_.size(); ++s) {
       const auto& ids = prompt_ids_[s];

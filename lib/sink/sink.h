@@ -28,6 +28,9 @@ struct StreamInfo {
   std::vector<std::int64_t> row_shape;  // per-row payload shape
   at::ScalarType dtype = at::kFloat;    // payload dtype (as stored)
   Layout layout = Layout::dense;
+  // Rows this stream is expected to get, an upper bound (0: unknown): the
+  // HDF5 sink sizes its chunks by it, so small captures stay small.
+  std::int64_t expected_rows = 0;
 };
 
 // Root attributes, in order.

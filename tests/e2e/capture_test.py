@@ -188,6 +188,43 @@ elif case == "policies":
         if (p - pl[s]) % 2:
             fail(f"--every 2 captured decode step {p - pl[s]}")
     print("token policies ok")
+elif case == "file-size":
+    # Chunks hold no more rows than a site will get (the prompts and -n bound them), so a small
+    # capture is about its data's size; a large one keeps ~128 KiB chunks.
+    out = os.path.join(tmp, "s.h5")
+    for pol, every in (("all", 1), ("prompt", 1), ("generated", 1), ("last-prompt", 1), ("all", 2), ("generated", 3)):
+        run(out, "--hooks", "resid_post,pattern,logits", "--tokens", pol, "--every", str(every), "--ignore-eos")
+        with h5py.File(out, "r") as f:
+            for name, g in f["sites"].items():
+                rows = g["data"].shape[0]
+                for d in ("data", "seq", "pos"):
+                    if g[d].chunks[0] != rows:
+                        fail(f"--tokens {pol} --every {every}: {name}/{d} chunks of {g[d].chunks[0]} rows for "
+                             f"{rows} rows (one chunk of exactly its rows expected)")
+            n_tokens = f["token_log/token"].shape[0]
+            if f["token_log/token"].chunks[0] != n_tokens:
+                fail(f"token_log: chunks of {f['token_log/token'].chunks[0]} rows for {n_tokens} tokens")
+    default_model = os.path.join(ROOT, "data", "default-model")
+    sizes = []
+    for n_new, hooks in ((4, "resid_post,pattern,logits"), (64, "resid_post,logits")):
+        args = [dmi_run, "-q", "--model", default_model, "-n", str(n_new), "--ignore-eos", "--hooks", hooks,
+                "-o", out, "--overwrite", "--prompt", "The cat sat", "--prompt", "Hello world, this is"]
+        r = subprocess.run(args, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            fail(f"{args}: {r.stderr}")
+        with h5py.File(out, "r") as f:
+            raw = sum(g[d].size * g[d].dtype.itemsize for g in f["sites"].values() for d in ("data", "seq", "pos"))
+            for n, g in f["sites"].items():
+                row_bytes = int(np.prod(g["data"].shape[1:])) * g["data"].dtype.itemsize
+                cap, n = (128 << 10) // row_bytes, g["data"].shape[0]
+                want = -(-n // -(-n // cap))  # the rows split evenly into chunks of at most ~128 KiB
+                if g["data"].chunks[0] != want:
+                    fail(f"-n {n_new}: {n}: chunks of {g['data'].chunks[0]} rows of {row_bytes} bytes, want {want}")
+        size = os.path.getsize(out)
+        sizes.append(f"-n {n_new} --hooks {hooks}: {size} bytes on disk for {raw} bytes of rows ({size / raw:.2f}x)")
+        if size > 2 * raw:
+            fail(sizes[-1] + ": more than twice its data")
+    print("chunks sized to the rows; " + "; ".join(sizes))
 elif case == "drop":
     # A tiny ring in drop mode: records are dropped and counted, never a hang.
     out = os.path.join(tmp, "drop.h5")

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "common/error.h"
+#include "engine/progress.h"
 
 namespace dmi::apps {
 
@@ -75,6 +76,21 @@ inline int parse_args(const char* tool, CLI::App& app, int argc, char** argv) {
     std::fprintf(stderr, "%s: error: %s (see --help)\n", tool, e.what());
     return 2;
   }
+}
+
+// -q and --progress-every: progress on stderr, a live line on a terminal,
+// else a plain line every --progress-every seconds (engine/progress.h).
+inline void add_progress_every(CLI::App& app, double& every) {
+  app.add_option("--progress-every", every,
+                 "seconds between progress lines when stderr is not a terminal (default 10; a terminal gets one "
+                 "live line)")
+      ->check(number_check(0, 1e300, true, "greater than 0"));
+}
+inline engine::ProgressOptions progress_options(bool quiet, double every) {
+  engine::ProgressOptions o;
+  o.enabled = !quiet;
+  if (every > 0) o.interval = every;
+  return o;
 }
 
 // Runs body(); dmi::Error (bad input) -> status 2, anything else ->

@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdlib>
@@ -124,11 +126,19 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "dmi-bench: %s (%s, %s), %d threads; weights %.1f MB, read bandwidth %.1f GB/s -> decode floor %.1f ms/step\n",
                    model_dir.c_str(), model->config().architecture.c_str(), dtype.c_str(), threads,
                    model->weight_bytes() / 1e6, bw, floor_ms);
+    // On a terminal one live line (runs done, ETA); otherwise a line per run.
+    dmi::engine::Progress progress;
+    dmi::engine::ProgressOptions po = dmi::apps::progress_options(quiet, -1);
+    po.enabled = po.enabled && ::isatty(::fileno(stderr));
+    dmi::engine::ProgressLine line("dmi-bench", "runs", progress, po);
     auto runs = dmi::engine::run_bench(*model, cfg, [&](std::size_t done, std::size_t total, const auto& r) {
-      if (!quiet)
+      progress.total = total;
+      progress.done = done;
+      if (!quiet && !po.enabled)
         std::fprintf(stderr, "dmi-bench: [%zu/%zu] batch %lld %s %s repeat %d: %.3f s\n", done, total,
                      static_cast<long long>(r.batch), r.hooks.c_str(), r.mode.c_str(), r.repeat, r.seconds);
     });
+    line.stop();
     // Summary per configuration: medians, overhead spread.
     struct Key {
       std::int64_t batch;

@@ -34,6 +34,7 @@ struct Args {
   std::int64_t batch_size = 8;
   int threads = 0, top = 10;
   bool json = false, quiet = false, overwrite = false, no_special = false, no_reuse = false;
+  double progress_every = -1;
   std::string command_line;
 };
 
@@ -110,19 +111,19 @@ int run(const Args& a) {
   info.command_line = a.command_line;
   info.fingerprint_json = nlohmann::json(m.fingerprint).dump();
 
-  // Progress at most once a second (nothing for sweeps shorter than that).
-  auto last = std::chrono::steady_clock::now();
-  if (!a.quiet)
-    o.on_progress = [&](std::size_t done, std::size_t total) {
-      const auto t = std::chrono::steady_clock::now();
-      if (t - last < std::chrono::seconds(1) || done == total) return;
-      last = t;
-      std::fprintf(stderr, "dmi-patch: %zu/%zu patched runs\n", done, total);
-    };
+  engine::Progress progress;
+  o.on_progress = [&](std::size_t done, std::size_t total) {
+    progress.total = total;
+    progress.done = done;
+  };
+  engine::ProgressLine line("dmi-patch", "patched runs", progress,
+                            dmi::apps::progress_options(a.quiet, a.progress_every));
   analysis::PatchSweepResult r;
   try {
     r = analysis::patch_sweep(*m.model, pairs, o);
+    line.stop();
   } catch (const dmi::Error&) {
+    line.stop();
     if (!g_stop.load()) throw;
     std::fprintf(stderr, "dmi-patch: interrupted; %s not written\n", a.output.c_str());
     return dmi::apps::stopped_status();
@@ -250,6 +251,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no-special-tokens", a.no_special, "do not add the tokenizer's special tokens (e.g. BOS) to prompts");
   app.add_flag("--json", a.json, "print a machine-readable summary on stdout");
   app.add_flag("-q,--quiet", a.quiet, "no progress or cost lines on stderr");
+  dmi::apps::add_progress_every(app, a.progress_every);
   if (int rc = dmi::apps::parse_args("dmi-patch", app, argc, argv); rc >= 0) return rc;
   for (int i = 0; i < argc; ++i) a.command_line += (i ? " " : "") + std::string(argv[i]);
   dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(a.dtype));

@@ -43,6 +43,7 @@ struct Args {
   std::uint64_t seed = 0;
   int threads = 0;
   bool json = false, no_special = false, quiet = false, ignore_eos = false;
+  double progress_every = -1;
   dmi::engine::CaptureConfig capture;
   std::string command_line;
   // interventions, in the order given (read from argv: the order across flags matters)
@@ -132,11 +133,6 @@ void report(const Args& a, const std::string& model_path, const std::string& arc
                  static_cast<long long>(t.decode_tokens), rate(t.decode_tokens, t.decode_seconds));
 }
 
-std::function<void(std::size_t, std::size_t)> progress(const Args& a, std::size_t sequences) {
-  if (a.quiet || sequences <= static_cast<std::size_t>(a.batch_size)) return {};
-  return [](std::size_t done, std::size_t total) { std::fprintf(stderr, "dmi-run: %zu/%zu sequences\n", done, total); };
-}
-
 int run(const Args& a) {
   using namespace dmi;
   engine::RunSettings s;
@@ -189,7 +185,10 @@ int run(const Args& a) {
     job.prompt_texts.push_back(specs[i].has_ids ? m.tokenizer->decode(job.prompts.back()) : specs[i].text);
   }
   dmi::apps::install_stop_signals();
-  engine::RunOutput out = engine::run_job(s, m, job, &g_stop, progress(a, specs.size()));
+  engine::Progress progress;
+  engine::ProgressLine line("dmi-run", "sequences", progress, dmi::apps::progress_options(a.quiet, a.progress_every));
+  engine::RunOutput out = engine::run_job(s, m, job, &g_stop, &progress);
+  line.stop();
   std::vector<std::string> display;  // id prompts are shown without special tokens
   for (std::size_t i = 0; i < specs.size(); ++i)
     display.push_back(specs[i].has_ids ? m.tokenizer->decode(job.prompts[i], true) : specs[i].text);
@@ -245,10 +244,11 @@ int run_replay(const Args& a) {
   o.verify = a.verify;
   o.command_line = a.command_line;
   dmi::apps::install_stop_signals();
-  auto on_progress = [&](std::size_t done, std::size_t total) {
-    if (!a.quiet && total > 1) std::fprintf(stderr, "dmi-run: replay %zu/%zu sequences\n", done, total);
-  };
-  engine::ReplayResult r = engine::replay(o, &g_stop, on_progress);
+  engine::Progress progress;
+  engine::ProgressLine line("dmi-run", "sequences replayed", progress,
+                            dmi::apps::progress_options(a.quiet, a.progress_every));
+  engine::ReplayResult r = engine::replay(o, &g_stop, &progress);
+  line.stop();
   if (!a.quiet)
     for (const auto& w : r.warnings) std::fprintf(stderr, "dmi-run: warning: %s\n", w.c_str());
   if (!a.quiet && !r.fingerprint_differences.empty())
@@ -353,6 +353,7 @@ int main(int argc, char** argv) {
       "  dmi-run --patch clean.h5,site=blocks.0.hook_resid_pre --prompt-ids 5,6,7 -o patched.h5\n"
       "  dmi-run --prompts p.txt --hooks pattern --tokens last-prompt -n 1 -o run.h5 \\\n"
       "          --monitor attn-tracker:heads=heads.json,inst=0:16,data=16:   # prompt-injection detection\n"
+      "  dmi-run --prompts big.txt --hooks residual -o big.h5 --progress-every 60 2> log.txt   # a line a minute\n"
       "  dmi-run --replay run.h5 --verify                   # re-run a capture, prove it bit-identical\n"
       "  dmi-run --replay run.h5 --replay-mode forced --hooks full -o deep.h5 --seq 3,7   # add sites\n"
       "\nExit status: 0 ok, 2 bad input (one line on stderr), 130 interrupted (143 SIGTERM), 1 internal error;\n"
@@ -467,6 +468,7 @@ int main(int argc, char** argv) {
   a.recorded_settings = {hook_map, prompt, prompts, prompt_ids, max_new, dtype, temperature, top_k, top_p, seed,
                          no_special, ignore_eos, steer, ablate, patch, before};
   app.add_flag("-q,--quiet", a.quiet, "no progress or timing lines on stderr");
+  dmi::apps::add_progress_every(app, a.progress_every);
   for (int i = 0; i < argc; ++i) a.command_line += (i ? " " : "") + shell_quote(argv[i]);
   if (int rc = dmi::apps::parse_args("dmi-run", app, argc, argv); rc >= 0) return rc;
   if (a.top_p <= 0.0) {

@@ -9,6 +9,7 @@
 
 #include "analysis/monitors.h"
 #include "common/error.h"
+#include "engine/progress.h"
 #include "sink/hdf5_sink.h"
 
 namespace dmi::engine {
@@ -195,6 +196,13 @@ CaptureRun::~CaptureRun() {
     } catch (...) {
     }
   }
+}
+
+void CaptureRun::report(Progress& p) const {
+  const ring::RingStats st = ring_ ? ring_->stats() : sync_ ? sync_->stats() : materialize_->stats();
+  p.bytes_written = static_cast<std::int64_t>(st.bytes_written);
+  p.dropped = static_cast<std::int64_t>(st.records_dropped);
+  p.ring_fill = ring_ && st.arena_bytes ? static_cast<double>(st.used_bytes) / static_cast<double>(st.arena_bytes) : -1.0;
 }
 
 CaptureResult CaptureRun::finish(const std::string& status, const std::vector<sink::SequenceInfo>& sequences,

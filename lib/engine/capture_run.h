@@ -15,6 +15,8 @@
 
 namespace dmi::engine {
 
+struct Progress;
+
 struct CaptureConfig {
   std::string output;               // HDF5 path (sink hdf5)
   std::string hooks;                // --hooks spec
@@ -67,6 +69,9 @@ class CaptureRun {
   void log_tokens(std::int32_t step, const std::vector<std::int32_t>& seq, const std::vector<std::int32_t>& pos,
                   const std::vector<std::int32_t>& ids);
   const std::vector<sink::StreamInfo>& streams() const { return point_->streams(); }
+  // The writer's state for a progress line: bytes that reached the sink,
+  // ring fill, records dropped. Any thread; also after finish().
+  void report(Progress& p) const;
   // Monitors with action=stop: whether one has asked to end sequence seq.
   bool stops_sequences() const { return stops_on_; }
   bool monitor_stopped(std::size_t seq) const { return seq < n_stops_ && stops_[seq].load(std::memory_order_relaxed); }

@@ -288,8 +288,7 @@ std::string record_hash(const std::string& path) {
   return io::xxh3_128(text.data(), text.size());
 }
 
-ReplayResult replay(const ReplayOptions& o, const std::atomic<bool>* stop,
-                    std::function<void(std::size_t, std::size_t)> on_progress) {
+ReplayResult replay(const ReplayOptions& o, const std::atomic<bool>* stop, Progress* progress) {
   DMI_CHECK(o.mode == "exact" || o.mode == "forced", "--replay-mode '{}' is not exact or forced", o.mode);
   DMI_CHECK(o.mode == "forced" || !o.batch_size, "--batch-size applies to --replay-mode forced only (exact replays "
             "keep the recorded batches)");
@@ -425,7 +424,7 @@ ReplayResult replay(const ReplayOptions& o, const std::atomic<bool>* stop,
           job.interrupt_after[i] = static_cast<std::int64_t>(f.tokens(i).size()) - f.prompt_length(i);
           if (f.finish_reason(i) == "monitor") job.interrupt_reason[i] = "monitor";
         }
-      RunOutput out = run_job(s, m, job, stop, on_progress);
+      RunOutput out = run_job(s, m, job, stop, progress);
       r.results = std::move(out.results);
       r.timings = out.timings;
       r.capture = out.capture;
@@ -462,6 +461,14 @@ ReplayResult replay(const ReplayOptions& o, const std::atomic<bool>* stop,
         r.results[i].finish_reason = "skipped";
       }
       try {
+        std::function<void(std::size_t, std::size_t)> on_progress;
+        if (progress) {
+          progress->total = r.replayed.size();
+          on_progress = [progress, &capture](std::size_t done, std::size_t) {
+            progress->done = done;
+            capture.report(*progress);
+          };
+        }
         teacher_force(*m.model, f, r.replayed, s.batch_size, observer, stop, on_progress, r.results, r.timings);
       } catch (...) {
         capture.finish("failed", {});

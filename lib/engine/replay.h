@@ -80,6 +80,6 @@ std::string record_hash(const std::string& path);
 // Runs the replay. Bad input (a non-dmi file, a missing or different model,
 // --seq out of range, ...) throws dmi::Error before any output is created.
 ReplayResult replay(const ReplayOptions& opts, const std::atomic<bool>* stop,
-                    std::function<void(std::size_t, std::size_t)> on_progress);
+                    Progress* progress);
 
 }  // namespace dmi::engine

@@ -3,9 +3,11 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <chrono>
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "engine/progress.h"
 #include "engine/runtime.h"
 
 namespace dmi::engine {
@@ -139,7 +141,7 @@ std::string timings_json(const Timings& t) {
 }
 
 RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const std::atomic<bool>* stop,
-                  std::function<void(std::size_t, std::size_t)> on_progress) {
+                  Progress* progress) {
   const auto& cfg = m.model->config();
   DMI_CHECK(job.prompt_texts.size() == job.prompts.size(), "one prompt text per prompt");
   GenerateOptions opts;
@@ -148,7 +150,15 @@ RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const st
   opts.sampling = s.sampling;
   if (!s.ignore_eos) opts.eos_ids = cfg.eos_token_ids;
   opts.stop = stop;
-  opts.on_progress = std::move(on_progress);
+  if (progress) {
+    progress->total = job.prompts.size();
+    std::int64_t expected = 0;
+    for (const auto& p : job.prompts)
+      expected += std::max<std::int64_t>(
+          0, std::min<std::int64_t>(s.max_new_tokens, cfg.max_position_embeddings - static_cast<std::int64_t>(p.size())));
+    progress->expected_tokens = expected;
+    opts.on_progress = [progress](std::size_t done, std::size_t) { progress->done = done; };
+  }
   opts.batches = job.batches;
   opts.interrupt_after = job.interrupt_after;
   opts.interrupt_reason = job.interrupt_reason;
@@ -173,6 +183,7 @@ RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const st
                                          const std::vector<std::int32_t>& pos, const std::vector<std::int32_t>& ids) {
       c->log_tokens(step, seq, pos, ids);
     };
+    if (progress) capture->report(*progress);
     if (capture->stops_sequences())
       opts.stop_sequence = [c = capture.get()](std::size_t seq) { return c->monitor_stopped(seq); };
   }
@@ -181,6 +192,20 @@ RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const st
                                                       s.capture_before_interventions);
   opts.observer = hooks->observer(capture ? capture->observer() : nullptr);
 
+  if (progress) {
+    // Tokens as they are chosen; the capture's writer at most 5 times a second.
+    opts.on_tokens = [log = std::move(opts.on_tokens), progress, c = capture.get(), last = 0.0](
+                         std::int32_t step, const std::vector<std::int32_t>& seq, const std::vector<std::int32_t>& pos,
+                         const std::vector<std::int32_t>& ids) mutable {
+      if (log) log(step, seq, pos, ids);
+      progress->tokens += static_cast<std::int64_t>(ids.size());
+      const double t = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+      if (c && t - last >= 0.2) {
+        c->report(*progress);
+        last = t;
+      }
+    };
+  }
   Generator gen(*m.model, opts);
   RunOutput out;
   try {
@@ -204,6 +229,7 @@ RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const st
     out.capture = capture->finish(stop && stop->load() ? "interrupted" : "complete",
                                   sequence_infos(job, out.results, *m.tokenizer), timings_json(out.timings));
     out.capture_sites = capture->streams().size();
+    if (progress) capture->report(*progress);
   }
   return out;
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "engine/capture_run.h"
+#include "engine/progress.h"
 #include "engine/generator.h"
 #include "engine/interventions.h"
 #include "engine/sampler.h"
@@ -80,8 +81,10 @@ struct RunOutput {
 // Generates (and captures, when s.capture.hooks is set). The capture file is
 // created only once everything was checked; it is closed as "complete",
 // "interrupted" (stop was set) or "failed" (an exception, rethrown).
+// progress (may be null): sequences done, tokens, and the capture's writer,
+// updated as the run goes (engine/progress.h).
 RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const std::atomic<bool>* stop,
-                  std::function<void(std::size_t, std::size_t)> on_progress);
+                  Progress* progress);
 
 // The /sequences entries of a finished run.
 std::vector<sink::SequenceInfo> sequence_infos(const Job& job, const std::vector<SequenceResult>& results,

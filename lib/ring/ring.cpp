@@ -167,7 +167,10 @@ void CpuRing::drain() {
 
 RingStats CpuRing::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return stats_;
+  RingStats s = stats_;
+  s.used_bytes = head_ - tail_;
+  s.arena_bytes = arena_size_;
+  return s;
 }
 
 }  // namespace dmi::ring

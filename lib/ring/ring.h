@@ -62,6 +62,7 @@ struct Record {
 struct RingStats {
   std::uint64_t records_written = 0, records_dropped = 0, bytes_written = 0;
   std::uint64_t high_water_bytes = 0;
+  std::uint64_t used_bytes = 0, arena_bytes = 0;  // the ring's payload now, and its size (CpuRing)
   double producer_wait_seconds = 0;
   // CPU time spent inside Sink::write: on the writer thread (Ring²), on the
   // forward thread (sync), or after generation (materialize).

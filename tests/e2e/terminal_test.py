@@ -1,0 +1,143 @@
+#!/usr/bin/python3
+"""Terminal habits of the tools: progress lines (a live line on a terminal,
+plain periodic lines otherwise, -q silences both) and bash completion.
+
+  terminal_test.py BIN_DIR CASE     CASE: progress-tty | progress-plain | completion
+
+The terminal is a real pseudo-terminal (os.openpty) on the tool's stderr.
+"""
+import os
+import re
+import select
+import subprocess
+import sys
+import tempfile
+
+bindir, case = sys.argv[1], sys.argv[2]
+tmp = tempfile.mkdtemp(prefix="dmi-terminal-")
+RUN, PATCH, BENCH = (os.path.join(bindir, t) for t in ("dmi-run", "dmi-patch", "dmi-bench"))
+# A run long enough for several progress lines: 6 sequences one at a time.
+LONG_RUN = ["--hooks", "residual", "-n", "160", "--ignore-eos", "--batch-size", "1",
+            *sum((["--prompt", f"prompt number {i}"] for i in range(6)), [])]
+
+
+def fail(msg):
+    print("FAIL: " + msg)
+    sys.exit(1)
+
+
+def on_pty(args):
+    """Runs args with stderr on a pseudo-terminal; returns (rc, stdout, terminal bytes)."""
+    master, slave = os.openpty()
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    seen = b""
+    while True:
+        r, _, _ = select.select([master], [], [], 0.2)
+        if r:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the tool closed its end
+                break
+            if not chunk:
+                break
+            seen += chunk
+        elif p.poll() is not None:
+            break
+    os.close(master)
+    out = p.stdout.read()
+    return p.wait(timeout=600), out, seen
+
+
+def plain(args):
+    r = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        fail(f"{' '.join(args)}: exit {r.returncode}\n{r.stderr[-2000:]}")
+    return r
+
+
+LINE = re.compile(r"(\d+)/(\d+) sequences, [\d.]+ tok/s, (ETA \d+:\d\d|ETA -|\d+:\d\d elapsed), "
+                  r"[\d.]+ MB written, ring \d+%, \d+ dropped")
+
+if case == "progress-tty":
+    rc, out, seen = on_pty([RUN, "-o", os.path.join(tmp, "a.h5"), *LONG_RUN])
+    if rc != 0:
+        fail(f"dmi-run exit {rc}: {seen[-2000:]!r}")
+    text = seen.decode().replace("\r\n", "\n")  # the terminal turns \n into \r\n
+    # Live updates rewrite one line: carriage return + erase line, no newline between them.
+    updates = text.split("\r\x1b[K")[1:]
+    if len(updates) < 3:
+        fail(f"want several live updates on the terminal, got {len(updates)}: {text[-1500:]!r}")
+    for u in updates[:-1]:
+        body = u
+        if "\n" in u:
+            fail(f"a live update ends its line before the run is done: {u!r}")
+        if not body.startswith("dmi-run: ") or not LINE.search(body):
+            fail(f"live line lacks sequences/tok/s/ETA/MB/ring/dropped: {body!r}")
+    if not any("ETA " in u and "ETA -" not in u for u in updates):
+        fail(f"no live line gave an ETA: {updates[:5]!r}")
+    final = updates[-1].split("\n")[0]
+    m = LINE.search(final)
+    if not m or m.group(1) != "6" or m.group(2) != "6" or "elapsed" not in final:
+        fail(f"the final line should say 6/6 sequences and the time taken: {final!r}")
+    if not updates[-1].startswith(final + "\n"):
+        fail("the final progress line must end with a newline, so later lines start clean")
+    if not re.search(r"dmi-run: captured 6 sites", text):
+        fail("the capture summary line is missing after the progress line")
+    if b"prompt number 5" not in out:
+        fail("stdout lost the generated text")
+
+    # -q: nothing on the terminal at all.
+    rc, out, seen = on_pty([RUN, "-q", "-o", os.path.join(tmp, "b.h5"), *LONG_RUN])
+    if rc != 0 or seen.strip():
+        fail(f"-q should leave the terminal empty, got rc {rc}: {seen[:500]!r}")
+
+    # dmi-patch and dmi-bench: their own units on a live line.
+    def lines(path, rows):
+        with open(path, "w") as f:
+            f.write("\n".join(rows) + "\n")
+        return path
+    clean = lines(os.path.join(tmp, "clean.txt"), ["The cat sat on the mat and the cat"] * 3)
+    corrupt = lines(os.path.join(tmp, "corrupt.txt"), ["The dog sat on the mat and the dog"] * 3)
+    rc, _, seen = on_pty([PATCH, "--clean", clean, "--corrupt", corrupt, "--answer-id", "5", "--wrong-id", "7",
+                          "-o", os.path.join(tmp, "p.h5"), "--batch-size", "1"])
+    text = seen.decode().replace("\r\n", "\n")  # the terminal turns \n into \r\n
+    if rc != 0:
+        fail(f"dmi-patch exit {rc}: {text[-1500:]!r}")
+    if not re.search(r"\r\x1b\[Kdmi-patch: \d+/\d+ patched runs, .*elapsed\n", text):
+        fail(f"dmi-patch shows no live line ending in the time taken: {text[-1500:]!r}")
+    rc, _, seen = on_pty([BENCH, "--batch-sizes", "1,2", "--prompt-len", "8", "--new-tokens", "16", "--hooks",
+                          "residual", "--repeats", "3", "--warmup", "0", "--tmp-dir", tmp,
+                          "--json", os.path.join(tmp, "b.json")])
+    text = seen.decode().replace("\r\n", "\n")  # the terminal turns \n into \r\n
+    if rc != 0:
+        fail(f"dmi-bench exit {rc}: {text[-1500:]!r}")
+    if not re.search(r"\r\x1b\[Kdmi-bench: \d+/\d+ runs, .*elapsed\n", text) or "repeat 0:" in text:
+        fail(f"dmi-bench on a terminal: want one live line, not a line per run: {text[-1500:]!r}")
+    print("ok: live progress lines on a terminal (dmi-run, dmi-patch, dmi-bench), -q silent")
+
+elif case == "progress-plain":
+    r = plain([RUN, "-o", os.path.join(tmp, "a.h5"), "--progress-every", "0.05", *LONG_RUN])
+    progress = [l for l in r.stderr.splitlines() if LINE.search(l)]
+    if len(progress) < 3:
+        fail(f"want plain progress lines every 0.05 s off a terminal, got: {r.stderr[-1500:]!r}")
+    if "\r" in r.stderr or "\x1b" in r.stderr:
+        fail("terminal codes in the output of a run whose stderr is a file")
+    done = [int(LINE.search(l).group(1)) for l in progress]
+    if done != sorted(done) or any(int(LINE.search(l).group(2)) != 6 for l in progress):
+        fail(f"sequences done must count up to 6: {done}")
+    # The default interval (10 s) prints nothing in a short run, and -q nothing ever.
+    r = plain([RUN, "-o", os.path.join(tmp, "b.h5"), *LONG_RUN])
+    if any(LINE.search(l) for l in r.stderr.splitlines()):
+        fail(f"a short run printed periodic lines at the default interval: {r.stderr!r}")
+    r = plain([RUN, "-q", "--progress-every", "0.05", "-o", os.path.join(tmp, "c.h5"), *LONG_RUN])
+    if r.stderr:
+        fail(f"-q printed: {r.stderr!r}")
+    # A bad interval is a one-line error, status 2.
+    r = subprocess.run([RUN, "--progress-every", "0"], capture_output=True, text=True)
+    if r.returncode != 2 or len(r.stderr.strip().splitlines()) != 1 or "--progress-every" not in r.stderr:
+        fail(f"--progress-every 0: want one line naming the flag, status 2; got {r.returncode} {r.stderr!r}")
+    print(f"ok: {len(progress)} plain progress lines, none by default in a short run, -q silent")
+
+else:
+    fail(f"unknown case {case}")

@@ -44,6 +44,7 @@ struct Args {
   int threads = 0;
   bool json = false, no_special = false, quiet = false, ignore_eos = false;
   double progress_every = -1;
+  dmi::engine::ChatSettings chat;
   dmi::engine::CaptureConfig capture;
   std::string command_line;
   // interventions, in the order given (read from argv: the order across flags matters)
@@ -169,6 +170,8 @@ int run(const Args& a) {
   }
   for (const auto& p : a.prompt_ids) specs.push_back({"", engine::parse_id_list(p), true, {}});
   if (specs.empty()) specs.push_back({kDefaultPrompt, {}, false, {}});
+  engine::render_chat(specs, a.chat,
+                      s.tokenizer_path.empty() ? model::default_tokenizer_path(s.model_path) : s.tokenizer_path);
   for (std::size_t i = 0; i < specs.size(); ++i)
     for (const auto& spec : specs[i].steer) {
       s.interventions.push_back({"steer", spec, std::set<std::int32_t>{static_cast<std::int32_t>(i)}});
@@ -180,7 +183,8 @@ int run(const Args& a) {
   engine::LoadedModel m = engine::load_for_run(s, /*fingerprint=*/capturing || !s.interventions.empty());
   engine::Job job;
   for (std::size_t i = 0; i < specs.size(); ++i) {
-    job.prompts.push_back(specs[i].has_ids ? specs[i].ids : m.tokenizer->encode(specs[i].text, s.add_special_tokens));
+    job.prompts.push_back(specs[i].has_ids ? specs[i].ids
+                                           : m.tokenizer->encode(specs[i].text, s.add_special_tokens && !specs[i].chat));
     DMI_CHECK(!job.prompts.back().empty(), "prompt {} is empty after tokenization", i);
     job.prompt_texts.push_back(specs[i].has_ids ? m.tokenizer->decode(job.prompts.back()) : specs[i].text);
   }
@@ -343,6 +347,8 @@ int main(int argc, char** argv) {
       "  dmi-run --model ./Qwen3-0.6B --dtype bfloat16 --prompt 'Hello' --json\n"
       "  dmi-run --prompts prompts.jsonl --batch-size 8 --temperature 0.8 --top-p 0.9 --seed 1\n"
       "  dmi-run --prompt-ids 1,2,3 --max-new-tokens 8\n"
+      "  dmi-run --model ./Qwen3-0.6B --chat --system 'Be brief.' --prompt 'What is a KV cache?'\n"
+      "  dmi-run --model ./Qwen3-0.6B --chat --prompts chats.jsonl   # {\"messages\": [{\"role\": ..., \"content\": ...}]}\n"
       "  dmi-run --hooks residual -o run.h5                 # capture residual streams to HDF5\n"
       "  dmi-run --hooks 'blocks.{0-1}.attn.hook_pattern,logits' --logits topk:20 -o attn.h5\n"
       "  dmi-run --hooks full --sink null --json             # transport only, data discarded\n"
@@ -367,6 +373,11 @@ int main(int argc, char** argv) {
                  "TorchScript only: JSON mapping submodule outputs to sites, inserted as hooks "
                  "(schemas/dmi-hook-map.schema.json)");
   auto* prompt = app.add_option("-p,--prompt", a.prompts, "prompt text (repeatable)");
+  auto* chat = app.add_flag("--chat", a.chat.enabled,
+                            "render each prompt with the model's chat template (tokenizer_config.json) as a user turn, "
+                            "or a JSONL \"messages\" list, with the assistant's generation prompt");
+  auto* system = app.add_option("--system", a.chat.system, "with --chat: the system turn before each prompt's messages")
+                     ->each([&a](const std::string&) { a.chat.has_system = true; });
   auto* prompts = app.add_option("--prompts", a.prompts_file,
                                  "file of prompts: one per line, or JSONL with \"text\" or \"ids\"");
   auto* prompt_ids = app.add_option("--prompt-ids", a.prompt_ids, "prompt as comma-separated token ids (repeatable)");
@@ -466,7 +477,7 @@ int main(int argc, char** argv) {
   a.rtol_flag = rep->add_option("--rtol", a.rtol, "--verify relative tolerance (default: by dtype)")
                     ->check(dmi::apps::kNonNegative);
   a.recorded_settings = {hook_map, prompt, prompts, prompt_ids, max_new, dtype, temperature, top_k, top_p, seed,
-                         no_special, ignore_eos, steer, ablate, patch, before};
+                         no_special, ignore_eos, steer, ablate, patch, before, chat, system};
   app.add_flag("-q,--quiet", a.quiet, "no progress or timing lines on stderr");
   dmi::apps::add_progress_every(app, a.progress_every);
   for (int i = 0; i < argc; ++i) a.command_line += (i ? " " : "") + shell_quote(argv[i]);

@@ -1,9 +1,12 @@
 #include "engine/prompts.h"
 
+#include <fmt/format.h>
+
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "io/chat_template.h"
 #include "io/tokenizer.h"
 
 namespace dmi::engine {
@@ -50,8 +53,8 @@ std::vector<PromptSpec> read_prompts_file(const std::string& path) {
     } catch (const nlohmann::json::exception& e) {
       DMI_FAIL("{}:{}: malformed JSON line: {}", path, lineno, e.what());
     }
-    DMI_CHECK(j.is_object() && (j.contains("text") != j.contains("ids")),
-              "{}:{}: each JSON line needs exactly one of \"text\" or \"ids\"", path, lineno);
+    DMI_CHECK(j.is_object() && j.contains("text") + j.contains("ids") + j.contains("messages") == 1,
+              "{}:{}: each JSON line needs exactly one of \"text\", \"ids\" or \"messages\"", path, lineno);
     if (j.contains("steer")) {
       DMI_CHECK(j["steer"].is_array(), "{}:{}: \"steer\" must be a list of --steer specs", path, lineno);
       for (const auto& v : j["steer"]) {
@@ -60,7 +63,10 @@ std::vector<PromptSpec> read_prompts_file(const std::string& path) {
         p.steer.push_back(v.get<std::string>());
       }
     }
-    if (j.contains("text")) {
+    if (j.contains("messages")) {
+      p.messages = nlohmann::ordered_json::parse(line)["messages"];  // keeps the keys' order
+      io::check_messages(p.messages, fmt::format("{}:{}", path, lineno));
+    } else if (j.contains("text")) {
       DMI_CHECK(j["text"].is_string(), "{}:{}: \"text\" must be a string", path, lineno);
       p.text = j["text"].get<std::string>();
     } else {
@@ -76,6 +82,34 @@ std::vector<PromptSpec> read_prompts_file(const std::string& path) {
   }
   DMI_CHECK(!out.empty(), "{}: no prompts in file", path);
   return out;
+}
+
+void check_chat(const std::vector<PromptSpec>& specs, const ChatSettings& chat) {
+  DMI_CHECK(chat.enabled || !chat.has_system, "--system needs --chat (it is the conversation's system turn)");
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    DMI_CHECK(chat.enabled || specs[i].messages.is_null(),
+              "prompt {} is a \"messages\" conversation: render it with the model's chat template by adding --chat", i);
+    DMI_CHECK(!chat.enabled || !specs[i].has_ids,
+              "prompt {} is token ids: --chat renders text or \"messages\" prompts, not ids", i);
+  }
+}
+
+void render_chat(std::vector<PromptSpec>& specs, const ChatSettings& chat, const std::string& tokenizer_path) {
+  check_chat(specs, chat);
+  if (!chat.enabled) return;
+  const io::ChatTemplate tmpl = io::ChatTemplate::load(tokenizer_path);
+  for (auto& p : specs) {
+    nlohmann::ordered_json messages = p.messages;
+    if (messages.is_null()) {
+      messages = nlohmann::ordered_json::array();
+      if (chat.has_system) messages.push_back({{"role", "system"}, {"content", chat.system}});
+      messages.push_back({{"role", "user"}, {"content", p.text}});
+    } else if (chat.has_system && messages[0].value("role", "") != "system") {
+      messages.insert(messages.begin(), {{"role", "system"}, {"content", chat.system}});
+    }
+    p.text = tmpl.render(messages, /*add_generation_prompt=*/true);
+    p.chat = true;
+  }
 }
 
 }  // namespace dmi::engine

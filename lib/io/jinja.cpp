@@ -9,7 +9,9 @@
 #include <ctime>
 #include <initializer_list>
 #include <map>
+#include <memory>
 #include <set>
+#include <unordered_map>
 #include <vector>
 
 #include "common/error.h"
@@ -31,6 +33,7 @@ struct JinjaTemplate::Node {
   std::vector<std::string> names;  // for/set targets
   json lit;
   bool negated = false;            // "is not"
+  mutable int depth = 1;           // of the tree below (bounded: evaluation recurses)
   std::vector<NodeP> c;            // children (null where optional and absent)
 };
 using Node = JinjaTemplate::Node;
@@ -271,6 +274,25 @@ class Parser {
     if (peek().type != T::Name) fail(fmt::format("chat template syntax error: expected a name, got '{}'", peek().v));
     return t_[p_++].v;
   }
+  // Templates come from model files: bound how deep the parser recurses and
+  // how deep the tree it builds gets (evaluating and freeing it recurse).
+  static constexpr int kMaxDepth = 200;
+  int nesting_ = 0;
+  struct Nested {
+    Parser& p;
+    explicit Nested(Parser& parser) : p(parser) {
+      if (++p.nesting_ > kMaxDepth) p.fail(fmt::format("the chat template nests more than {} levels deep", kMaxDepth));
+    }
+    ~Nested() { --p.nesting_; }
+  };
+  NodeP done(NodeP n) {
+    int d = 0;
+    for (const auto& c : n->c)
+      if (c) d = std::max(d, c->depth);
+    n->depth = d + 1;
+    if (n->depth > kMaxDepth) fail(fmt::format("the chat template nests more than {} levels deep", kMaxDepth));
+    return n;
+  }
   static std::shared_ptr<Node> make(Node::Kind k, int line) {
     auto n = std::make_shared<Node>();
     n->kind = k;
@@ -281,12 +303,13 @@ class Parser {
   // Statements until one of `until` ({% endif %} ...), whose keyword is
   // consumed and returned in `end`; until empty: to the end of the template.
   NodeP block(const std::set<std::string>& until, std::string& end) {
+    Nested guard(*this);
     auto b = make(Node::Block, peek().line);
     while (true) {
       const Tok& tok = peek();
       if (tok.type == T::End) {
         if (!until.empty()) fail(fmt::format("chat template syntax error: missing {{% {} %}}", *until.rbegin()));
-        return b;
+        return done(b);
       }
       if (tok.type == T::Text) {
         auto n = make(Node::Text, tok.line);
@@ -298,16 +321,16 @@ class Parser {
         auto n = make(Node::Output, tok.line);
         n->c.push_back(expr());
         expect(T::CloseExpr, "'}}'");
-        b->c.push_back(n);
+        b->c.push_back(done(n));
       } else if (tok.type == T::OpenStmt) {
         ++p_;
         const int line = peek().line;
         const std::string kw = name();
         if (until.count(kw)) {
           end = kw;
-          return b;
+          return done(b);
         }
-        if (NodeP n = statement(kw, line)) b->c.push_back(n);
+        if (NodeP n = statement(kw, line)) b->c.push_back(done(n));
       } else {
         fail(fmt::format("chat template syntax error: unexpected '{}'", tok.v));
       }
@@ -399,6 +422,7 @@ class Parser {
 
   // Expressions, by Jinja's precedence (lowest first).
   NodeP expr() {
+    Nested guard(*this);
     NodeP e = or_expr();
     if (!is_name("if")) return e;
     const int line = peek().line;
@@ -412,13 +436,13 @@ class Parser {
       otherwise = expr();
     }
     n->c.push_back(otherwise);
-    return n;
+    return done(n);
   }
   NodeP binary(Node::Kind k, const std::string& op, NodeP a, NodeP b, int line) {
     auto n = make(k, line);
     n->s = op;
     n->c = {std::move(a), std::move(b)};
-    return n;
+    return done(n);
   }
   // One left-associative precedence level: operands from next(), joined by
   // any of ops (operator tokens, or the words "or" and "and").
@@ -436,10 +460,11 @@ class Parser {
   NodeP or_expr() { return level({"or"}, Node::Or, &Parser::and_expr); }
   NodeP and_expr() { return level({"and"}, Node::And, &Parser::not_expr); }
   NodeP not_expr() {
+    Nested guard(*this);
     if (is_name("not")) {
       auto n = make(Node::Not, t_[p_++].line);
       n->c.push_back(not_expr());
-      return n;
+      return done(n);
     }
     return compare();
   }
@@ -469,12 +494,13 @@ class Parser {
   NodeP pow() { return level({"**"}, Node::Binary, &Parser::filtered_unary); }
   NodeP filtered_unary() { return unary(true); }
   NodeP unary(bool with_filter) {
+    Nested guard(*this);
     NodeP n;
     if (is_op("-") || is_op("+")) {
       auto u = make(Node::Unary, peek().line);
       u->s = t_[p_++].v;
       u->c.push_back(unary(false));
-      n = u;
+      n = done(u);
     } else {
       n = primary();
     }
@@ -505,8 +531,12 @@ class Parser {
     if (tok.type == T::Num) {
       ++p_;
       auto n = make(Node::Lit, tok.line);
-      if (tok.v.find('.') != std::string::npos) n->lit = std::stod(tok.v);
-      else n->lit = static_cast<std::int64_t>(std::stoll(tok.v));
+      try {
+        if (tok.v.find('.') != std::string::npos) n->lit = std::stod(tok.v);
+        else n->lit = static_cast<std::int64_t>(std::stoll(tok.v));
+      } catch (const std::exception&) {
+        fail(fmt::format("chat template syntax error: the number {} is out of range", tok.v));
+      }
       return n;
     }
     if (is_op("(")) {
@@ -520,7 +550,7 @@ class Parser {
           if (is_op(")")) break;
           l->c.push_back(expr());
         }
-        e = l;
+        e = done(l);
       }
       expect_op(")");
       return e;
@@ -534,7 +564,7 @@ class Parser {
         ++p_;
       }
       expect_op("]");
-      return l;
+      return done(l);
     }
     if (is_op("{")) {
       ++p_;
@@ -547,7 +577,7 @@ class Parser {
         ++p_;
       }
       expect_op("}");
-      return d;
+      return done(d);
     }
     fail(fmt::format("chat template syntax error: unexpected '{}' in an expression", tok.v));
   }
@@ -559,7 +589,7 @@ class Parser {
         kw->s = t_[p_].v;
         p_ += 2;
         kw->c.push_back(expr());
-        n->c.push_back(kw);
+        n->c.push_back(done(kw));
       } else {
         n->c.push_back(expr());
       }
@@ -578,12 +608,17 @@ class Parser {
         if (peek().type == T::Num) {  // x.0 is x[0]
           a->kind = Node::Item;
           auto idx = make(Node::Lit, line);
-          idx->lit = static_cast<std::int64_t>(std::stoll(t_[p_++].v));
+          try {
+            idx->lit = static_cast<std::int64_t>(std::stoll(t_[p_].v));
+          } catch (const std::exception&) {
+            fail(fmt::format("chat template syntax error: the index {} is out of range", t_[p_].v));
+          }
+          ++p_;
           a->c.push_back(idx);
         } else {
           a->s = name();
         }
-        n = a;
+        n = done(a);
       } else if (is_op("[")) {
         ++p_;
         NodeP start, stop, step;
@@ -597,18 +632,18 @@ class Parser {
           }
           auto sl = make(Node::Slice, line);
           sl->c = {n, start, stop, step};
-          n = sl;
+          n = done(sl);
         } else {
           auto it = make(Node::Item, line);
           it->c = {n, start};
-          n = it;
+          n = done(it);
         }
         expect_op("]");
       } else if (is_op("(")) {
         auto c = make(Node::Call, line);
         c->c.push_back(n);
         call_args(c);
-        n = c;
+        n = done(c);
       } else {
         return n;
       }
@@ -623,7 +658,7 @@ class Parser {
         f->s = name();
         f->c.push_back(n);
         if (is_op("(")) call_args(f);
-        n = f;
+        n = done(f);
       } else if (is_name("is")) {
         ++p_;
         auto t = make(Node::Test, line);
@@ -642,12 +677,12 @@ class Parser {
               is_op("{"))
             t->c.push_back(postfix(primary()));
         }
-        n = t;
+        n = done(t);
       } else if (is_op("(")) {
         auto c = make(Node::Call, line);
         c->c.push_back(n);
         call_args(c);
-        n = c;
+        n = done(c);
       } else {
         return n;
       }
@@ -657,13 +692,40 @@ class Parser {
 
 // -------------------------------------------------------------- runtime --
 
-struct Val {
-  json j;
-  bool undef = false;
+// A value in a rendering. Values are immutable and shared: copying one, or
+// taking an element or attribute of one, costs O(1) however large it is
+// (an element shares ownership of the whole it came from), so a template
+// that reads a long conversation in a loop stays linear.
+class Val {
+ public:
+  Val() : p_(null_json()) {}
+  explicit Val(json j) : p_(std::make_shared<json>(std::move(j))) {}
   static Val undefined() {
     Val v;
     v.undef = true;
     return v;
+  }
+  // An element or attribute of `whole`, without copying it.
+  static Val part(const Val& whole, const json& element) {
+    Val v;
+    v.p_ = std::shared_ptr<json>(whole.p_, const_cast<json*>(&element));
+    return v;
+  }
+  const json& j() const { return *p_; }
+  // For namespace attributes: the value to change, copied first unless this
+  // is its only holder (copy on write).
+  json& own() {
+    if (p_.use_count() > 1) p_ = std::make_shared<json>(*p_);
+    return *p_;
+  }
+
+  bool undef = false;
+
+ private:
+  std::shared_ptr<json> p_;
+  static const std::shared_ptr<json>& null_json() {
+    static const auto null = std::make_shared<json>();
+    return null;
   }
 };
 
@@ -681,6 +743,15 @@ std::vector<std::string> code_points(const std::string& s) {
     i += len;
   }
   return out;
+}
+
+std::size_t count_code_points(const std::string& s) {
+  std::size_t count = 0;
+  for (std::size_t i = 0; i < s.size(); ++count) {
+    const auto b = static_cast<unsigned char>(s[i]);
+    i += b >= 0xF0 ? 4 : b >= 0xE0 ? 3 : b >= 0xC0 ? 2 : 1;
+  }
+  return count;
 }
 
 std::string py_float(double d) {
@@ -718,22 +789,22 @@ std::string py_repr(const json& j) {
 
 std::string to_text(const Val& v) {
   if (v.undef) return "";
-  if (v.j.is_string()) return v.j.get<std::string>();
-  return py_repr(v.j);
+  if (v.j().is_string()) return v.j().get<std::string>();
+  return py_repr(v.j());
 }
 
 bool truthy(const Val& v) {
-  if (v.undef || v.j.is_null()) return false;
-  if (v.j.is_boolean()) return v.j.get<bool>();
-  if (v.j.is_number_integer()) return v.j.get<std::int64_t>() != 0;
-  if (v.j.is_number()) return v.j.get<double>() != 0.0;
-  if (v.j.is_string() || v.j.is_array() || v.j.is_object()) return !v.j.empty();
+  if (v.undef || v.j().is_null()) return false;
+  if (v.j().is_boolean()) return v.j().get<bool>();
+  if (v.j().is_number_integer()) return v.j().get<std::int64_t>() != 0;
+  if (v.j().is_number()) return v.j().get<double>() != 0.0;
+  if (v.j().is_string() || v.j().is_array() || v.j().is_object()) return !v.j().empty();
   return true;
 }
 
 const char* type_name(const Val& v) {
   if (v.undef) return "undefined";
-  switch (v.j.type()) {
+  switch (v.j().type()) {
     case json::value_t::null: return "none";
     case json::value_t::boolean: return "boolean";
     case json::value_t::string: return "string";
@@ -744,9 +815,12 @@ const char* type_name(const Val& v) {
   }
 }
 
-bool equal(const Val& a, const Val& b) {
-  if (a.undef || b.undef) return a.undef && b.undef;
-  return a.j == b.j;
+// How much work comparing or scanning j takes, in steps: its items, or a
+// string's bytes / 64.
+std::uint64_t extent(const json& j) {
+  if (j.is_array() || j.is_object()) return j.size();
+  if (j.is_string()) return j.get_ref<const std::string&>().size() / 64;
+  return 0;
 }
 
 // json.dumps(x, ensure_ascii=False[, indent]) as transformers' tojson.
@@ -779,7 +853,7 @@ void dump_json(const json& j, int indent, int depth, std::string& out) {
 }
 
 std::string strip(const std::string& s, const Val& chars, bool left, bool right) {
-  const std::string set = chars.undef || chars.j.is_null() ? std::string(kSpaces) : chars.j.get<std::string>();
+  const std::string set = chars.undef || chars.j().is_null() ? std::string(kSpaces) : chars.j().get<std::string>();
   std::size_t b = 0, e = s.size();
   if (left)
     while (b < e && set.find(s[b]) != std::string::npos) ++b;
@@ -794,18 +868,20 @@ class Renderer {
  public:
   Renderer(const std::string& name, const json& vars) : name_(name) {
     frames_.emplace_back();
-    for (auto it = vars.begin(); it != vars.end(); ++it) frames_[0][it.key()] = Val{it.value()};
+    const Val all{vars};
+    for (auto it = all.j().begin(); it != all.j().end(); ++it) frames_[0][it.key()] = Val::part(all, it.value());
   }
   std::string out;
 
   Flow exec(const Node& n) {
+    step(n);
     switch (n.kind) {
       case Node::Block:
         for (const auto& c : n.c)
           if (Flow f = exec(*c); f != Flow::Normal) return f;
         return Flow::Normal;
-      case Node::Text: out += n.s; return Flow::Normal;
-      case Node::Output: out += to_text(eval(*n.c[0])); return Flow::Normal;
+      case Node::Text: out += n.s; return fits(n, out), Flow::Normal;
+      case Node::Output: out += to_text(eval(*n.c[0])); return fits(n, out), Flow::Normal;
       case Node::If: {
         std::size_t i = 0;
         for (; i + 1 < n.c.size(); i += 2)
@@ -819,9 +895,9 @@ class Renderer {
           frames_.back()[n.names[0]] = v;
         } else {
           Val* ns = lookup(n.names[0]);
-          if (!ns || !ns->j.is_object())
+          if (!ns || !ns->j().is_object())
             fail(n, fmt::format("cannot set attribute '{}' of '{}' (not a namespace)", n.s, n.names[0]));
-          ns->j[n.s] = v.undef ? json() : v.j;
+          ns->own()[n.s] = v.undef ? json() : v.j();
         }
         return Flow::Normal;
       }
@@ -842,9 +918,82 @@ class Renderer {
  private:
   const std::string& name_;
   std::vector<std::map<std::string, Val>> frames_;
+  std::unordered_map<const Node*, Val> literals_;
 
   [[noreturn]] void fail(const Node& n, const std::string& what) const {
     DMI_FAIL("{} line {}: chat template error: {}", name_, n.line, what);
+  }
+  // Templates come from model files: a rendering may take at most so many
+  // steps, and its strings and lists at most so much room.
+  static constexpr std::uint64_t kMaxSteps = 5'000'000;
+  static constexpr std::size_t kMaxBytes = 64u << 20, kMaxItems = 1'000'000;
+  std::uint64_t steps_ = 0;
+  void step(const Node& n) { work(n, 1); }
+  // Operations whose cost grows with their operands (iterating, comparing,
+  // per-character work) count as that many steps.
+  void work(const Node& n, std::uint64_t steps) {
+    steps_ += steps;
+    if (steps_ > kMaxSteps) fail(n, fmt::format("the rendering takes more than {} steps", kMaxSteps));
+  }
+  bool equal(const Node& n, const Val& a, const Val& b) {
+    if (a.undef || b.undef) return a.undef && b.undef;
+    work(n, std::min(extent(a.j()), extent(b.j())));
+    return a.j() == b.j();
+  }
+  // a in b, for b a list, dict or string.
+  bool contains(const Node& n, const Val& a, const Val& b) {
+    if (b.undef) return false;
+    work(n, extent(b.j()));
+    if (b.j().is_array())
+      return !a.undef && std::any_of(b.j().begin(), b.j().end(), [&](const json& x) { return a.j() == x; });
+    if (b.j().is_object()) return !a.undef && a.j().is_string() && b.j().contains(a.j().get<std::string>());
+    if (b.j().is_string()) return b.j().get<std::string>().find(str(n, a, "'in' on a string")) != std::string::npos;
+    fail(n, fmt::format("'in' on a {}", type_name(b)));
+  }
+  void fits(const Node& n, const std::string& s) const {
+    if (s.size() > kMaxBytes) fail(n, fmt::format("the rendering makes a string over {} MiB", kMaxBytes >> 20));
+  }
+  // All strings and lists a rendering makes, together: at most kMaxMade bytes.
+  static constexpr std::uint64_t kMaxMade = 1ull << 30;
+  std::uint64_t made_ = 0;
+  void made(const Node& n, std::uint64_t bytes) {
+    made_ += bytes;
+    if (made_ > kMaxMade) fail(n, fmt::format("the rendering makes more than {} MiB of strings and lists", kMaxMade >> 20));
+  }
+  static std::uint64_t weight(const json& j) {
+    std::uint64_t w = 16;
+    if (j.is_string()) w += j.get_ref<const std::string&>().size();
+    if (j.is_array() || j.is_object())
+      for (const auto& x : j) w += weight(x);
+    return w;
+  }
+  Val text(const Node& n, std::string s) {
+    fits(n, s);
+    made(n, s.size());
+    return Val{json(std::move(s))};
+  }
+  // A list or dict the rendering made, counted against the limits.
+  Val value(const Node& n, json l) {
+    if (l.size() > kMaxItems) fail(n, fmt::format("the rendering makes a list of over {} items", kMaxItems));
+    made(n, weight(l));
+    return Val{std::move(l)};
+  }
+  // The code points of s, for per-character operations (iteration, slices,
+  // indexing): strings up to kMaxItems bytes.
+  std::vector<std::string> chars(const Node& n, const std::string& s) {
+    if (s.size() > kMaxItems)
+      fail(n, fmt::format("per-character operations take strings of at most {} bytes", kMaxItems));
+    work(n, s.size() / 8);
+    return code_points(s);
+  }
+  // p op q for op in + - *, failing on overflow instead of wrapping.
+  std::int64_t checked(const Node& n, char op, std::int64_t p, std::int64_t q) const {
+    std::int64_t r = 0;
+    const bool overflow = op == '+'   ? __builtin_add_overflow(p, q, &r)
+                          : op == '-' ? __builtin_sub_overflow(p, q, &r)
+                                      : __builtin_mul_overflow(p, q, &r);
+    if (overflow) fail(n, "integer overflow");
+    return r;
   }
   Val* lookup(const std::string& name) {
     for (auto f = frames_.rbegin(); f != frames_.rend(); ++f)
@@ -855,14 +1004,15 @@ class Renderer {
   std::vector<Val> items_of(const Node& n, const Val& v) {
     std::vector<Val> items;
     if (v.undef) return items;
-    if (v.j.is_array())
-      for (const auto& x : v.j) items.push_back(Val{x});
-    else if (v.j.is_object())
-      for (auto it = v.j.begin(); it != v.j.end(); ++it) items.push_back(Val{json(it.key())});
-    else if (v.j.is_string())
-      for (auto& cp : code_points(v.j.get<std::string>())) items.push_back(Val{json(cp)});
+    if (v.j().is_array())
+      for (const auto& x : v.j()) items.push_back(Val::part(v, x));
+    else if (v.j().is_object())
+      for (auto it = v.j().begin(); it != v.j().end(); ++it) items.push_back(Val{json(it.key())});
+    else if (v.j().is_string())
+      for (auto& cp : chars(n, v.j().get<std::string>())) items.push_back(Val{json(cp)});
     else
       fail(n, fmt::format("cannot iterate over a {}", type_name(v)));
+    work(n, items.size());
     return items;
   }
 
@@ -872,9 +1022,9 @@ class Renderer {
       f[n.names[0]] = item;
       return;
     }
-    if (!item.j.is_array() || item.j.size() != n.names.size())
+    if (!item.j().is_array() || item.j().size() != n.names.size())
       fail(n, fmt::format("cannot unpack a {} into {} names", type_name(item), n.names.size()));
-    for (std::size_t i = 0; i < n.names.size(); ++i) f[n.names[i]] = Val{item.j[i]};
+    for (std::size_t i = 0; i < n.names.size(); ++i) f[n.names[i]] = Val::part(item, item.j()[i]);
   }
 
   Flow exec_for(const Node& n) {
@@ -897,9 +1047,10 @@ class Renderer {
       bind(n, items[static_cast<std::size_t>(i)]);
       json loop = {{"index", i + 1},       {"index0", i},          {"revindex", len - i}, {"revindex0", len - i - 1},
                    {"first", i == 0},      {"last", i == len - 1}, {"length", len}};
-      if (i > 0) loop["previtem"] = items[static_cast<std::size_t>(i - 1)].j;
-      if (i + 1 < len) loop["nextitem"] = items[static_cast<std::size_t>(i + 1)].j;
-      frames_.back()["loop"] = Val{loop};
+      if (i > 0) loop["previtem"] = items[static_cast<std::size_t>(i - 1)].j();
+      if (i + 1 < len) loop["nextitem"] = items[static_cast<std::size_t>(i + 1)].j();
+      made(n, weight(loop));
+      frames_.back()["loop"] = Val{std::move(loop)};
       const Flow f = exec(*n.c[1]);
       frames_.pop_back();
       if (f == Flow::Break) break;
@@ -925,25 +1076,30 @@ class Renderer {
     return a;
   }
   std::string str(const Node& n, const Val& v, const char* what) {
-    if (v.undef || !v.j.is_string()) fail(n, fmt::format("{} needs a string, got a {}", what, type_name(v)));
-    return v.j.get_ref<const std::string&>();
+    if (v.undef || !v.j().is_string()) fail(n, fmt::format("{} needs a string, got a {}", what, type_name(v)));
+    return v.j().get_ref<const std::string&>();
   }
   std::int64_t integer(const Node& n, const Val& v, const char* what) {
-    if (v.undef || !v.j.is_number_integer()) fail(n, fmt::format("{} needs an integer, got a {}", what, type_name(v)));
-    return v.j.get<std::int64_t>();
+    if (v.undef || !v.j().is_number_integer()) fail(n, fmt::format("{} needs an integer, got a {}", what, type_name(v)));
+    return v.j().get<std::int64_t>();
   }
 
   Val eval(const Node& n) {
+    step(n);
     switch (n.kind) {
-      case Node::Lit: return Val{n.lit};
+      case Node::Lit: {  // made once: a long string literal in a loop is not copied each time
+        auto it = literals_.find(&n);
+        if (it == literals_.end()) it = literals_.emplace(&n, Val{n.lit}).first;
+        return it->second;
+      }
       case Node::Var: {
         if (Val* v = lookup(n.s)) return *v;
         return Val::undefined();
       }
       case Node::Attr: {
         const Val o = eval(*n.c[0]);
-        if (!o.undef && o.j.is_object())
-          if (auto it = o.j.find(n.s); it != o.j.end()) return Val{*it};
+        if (!o.undef && o.j().is_object())
+          if (auto it = o.j().find(n.s); it != o.j().end()) return Val::part(o, *it);
         return Val::undefined();
       }
       case Node::Item: return item(n, eval(*n.c[0]), eval(*n.c[1]));
@@ -956,10 +1112,10 @@ class Renderer {
       }
       case Node::Unary: {
         const Val v = eval(*n.c[0]);
-        if (v.undef || !v.j.is_number()) fail(n, fmt::format("unary {} on a {}", n.s, type_name(v)));
+        if (v.undef || !v.j().is_number()) fail(n, fmt::format("unary {} on a {}", n.s, type_name(v)));
         if (n.s == "+") return v;
-        if (v.j.is_number_float()) return Val{json(-v.j.get<double>())};
-        return Val{json(-v.j.get<std::int64_t>())};
+        if (v.j().is_number_float()) return Val{json(-v.j().get<double>())};
+        return Val{json(checked(n, '-', 0, v.j().get<std::int64_t>()))};
       }
       case Node::Not: return Val{json(!truthy(eval(*n.c[0])))};
       case Node::And: {
@@ -976,13 +1132,13 @@ class Renderer {
       case Node::Binary: return binary(n);
       case Node::List: {
         json l = json::array();
-        for (const auto& c : n.c) l.push_back(eval(*c).j);
-        return Val{l};
+        for (const auto& c : n.c) l.push_back(eval(*c).j());
+        return value(n, std::move(l));
       }
       case Node::Dict: {
         json d = json::object();
-        for (std::size_t i = 0; i + 1 < n.c.size(); i += 2) d[str(n, eval(*n.c[i]), "a dict key")] = eval(*n.c[i + 1]).j;
-        return Val{d};
+        for (std::size_t i = 0; i + 1 < n.c.size(); i += 2) d[str(n, eval(*n.c[i]), "a dict key")] = eval(*n.c[i + 1]).j();
+        return value(n, std::move(d));
       }
       default: fail(n, "internal error: a statement where an expression should be");
     }
@@ -990,36 +1146,33 @@ class Renderer {
 
   Val item(const Node& n, const Val& o, const Val& k) {
     if (o.undef) return Val::undefined();
-    if (o.j.is_object() && k.j.is_string()) {
-      if (auto it = o.j.find(k.j.get<std::string>()); it != o.j.end()) return Val{*it};
+    if (o.j().is_object() && k.j().is_string()) {
+      if (auto it = o.j().find(k.j().get<std::string>()); it != o.j().end()) return Val::part(o, *it);
       return Val::undefined();
     }
-    if ((o.j.is_array() || o.j.is_string()) && k.j.is_number_integer()) {
+    if ((o.j().is_array() || o.j().is_string()) && k.j().is_number_integer()) {
       std::vector<std::string> cps;
-      if (o.j.is_string()) cps = code_points(o.j.get<std::string>());
-      const auto len = static_cast<std::int64_t>(o.j.is_array() ? o.j.size() : cps.size());
-      std::int64_t i = k.j.get<std::int64_t>();
+      if (o.j().is_string()) cps = chars(n, o.j().get<std::string>());
+      const auto len = static_cast<std::int64_t>(o.j().is_array() ? o.j().size() : cps.size());
+      std::int64_t i = k.j().get<std::int64_t>();
       if (i < 0) i += len;
       if (i < 0 || i >= len) return Val::undefined();
-      return o.j.is_array() ? Val{o.j[static_cast<std::size_t>(i)]} : Val{json(cps[static_cast<std::size_t>(i)])};
+      return o.j().is_array() ? Val::part(o, o.j()[static_cast<std::size_t>(i)]) : Val{json(cps[static_cast<std::size_t>(i)])};
     }
-    if (o.j.is_object() || o.j.is_array() || o.j.is_string()) return Val::undefined();
+    if (o.j().is_object() || o.j().is_array() || o.j().is_string()) return Val::undefined();
     fail(n, fmt::format("cannot index a {}", type_name(o)));
   }
 
   Val slice(const Node& n) {
     const Val o = eval(*n.c[0]);
-    if (o.undef || !(o.j.is_array() || o.j.is_string())) fail(n, fmt::format("cannot slice a {}", type_name(o)));
-    std::vector<json> elems;
-    if (o.j.is_array())
-      for (const auto& x : o.j) elems.push_back(x);
-    else
-      for (auto& cp : code_points(o.j.get<std::string>())) elems.emplace_back(cp);
-    const auto len = static_cast<std::int64_t>(elems.size());
+    if (o.undef || !(o.j().is_array() || o.j().is_string())) fail(n, fmt::format("cannot slice a {}", type_name(o)));
+    std::vector<std::string> cps;
+    if (o.j().is_string()) cps = chars(n, o.j().get<std::string>());
+    const auto len = static_cast<std::int64_t>(o.j().is_array() ? o.j().size() : cps.size());
     auto opt = [&](const NodeP& e, std::int64_t dflt) {
       if (!e) return dflt;
       const Val v = eval(*e);
-      return v.j.is_null() ? dflt : integer(n, v, "a slice bound");
+      return v.j().is_null() ? dflt : integer(n, v, "a slice bound");
     };
     const std::int64_t step = opt(n.c[3], 1);
     if (step == 0) fail(n, "slice step cannot be zero");
@@ -1030,32 +1183,30 @@ class Renderer {
     };
     std::int64_t start = n.c[1] ? clampi(opt(n.c[1], 0)) : (step > 0 ? 0 : len - 1);
     std::int64_t stop = n.c[2] ? clampi(opt(n.c[2], 0)) : (step > 0 ? len : -1);
-    std::vector<json> picked;
-    for (std::int64_t i = start; step > 0 ? i < stop : i > stop; i += step) picked.push_back(elems[static_cast<std::size_t>(i)]);
-    if (o.j.is_array()) return Val{json(picked)};
+    json l = json::array();
     std::string s;
-    for (const auto& cp : picked) s += cp.get<std::string>();
-    return Val{json(s)};
+    for (__int128 i = start; step > 0 ? i < stop : i > stop; i += step) {
+      const auto k = static_cast<std::size_t>(i);
+      if (o.j().is_array()) l.push_back(o.j()[k]);
+      else s += cps[k];
+    }
+    if (!o.j().is_array()) return text(n, std::move(s));
+    return value(n, std::move(l));
   }
 
   Val binary(const Node& n) {
     const Val a = eval(*n.c[0]), b = eval(*n.c[1]);
     const std::string& op = n.s;
-    if (op == "==") return Val{json(equal(a, b))};
-    if (op == "!=") return Val{json(!equal(a, b))};
+    if (op == "==") return Val{json(equal(n, a, b))};
+    if (op == "!=") return Val{json(!equal(n, a, b))};
     if (op == "in" || op == "not in") {
-      bool r = false;
-      if (b.undef) r = false;
-      else if (b.j.is_array()) r = std::any_of(b.j.begin(), b.j.end(), [&](const json& x) { return equal(a, Val{x}); });
-      else if (b.j.is_object()) r = a.j.is_string() && b.j.contains(a.j.get<std::string>());
-      else if (b.j.is_string()) r = b.j.get<std::string>().find(str(n, a, "'in' on a string")) != std::string::npos;
-      else fail(n, fmt::format("'in' on a {}", type_name(b)));
+      const bool r = contains(n, a, b);
       return Val{json(op == "in" ? r : !r)};
     }
-    if (op == "~") return Val{json(to_text(a) + to_text(b))};
-    if (!a.undef && !b.undef && a.j.is_number() && b.j.is_number()) {
-      const bool ints = a.j.is_number_integer() && b.j.is_number_integer();
-      const double x = a.j.get<double>(), y = b.j.get<double>();
+    if (op == "~") return text(n, to_text(a) + to_text(b));
+    if (!a.undef && !b.undef && a.j().is_number() && b.j().is_number()) {
+      const bool ints = a.j().is_number_integer() && b.j().is_number_integer();
+      const double x = a.j().get<double>(), y = b.j().get<double>();
       if (op == "<") return Val{json(x < y)};
       if (op == ">") return Val{json(x > y)};
       if (op == "<=") return Val{json(x <= y)};
@@ -1065,15 +1216,23 @@ class Renderer {
         return Val{json(x / y)};
       }
       if (ints) {
-        const std::int64_t p = a.j.get<std::int64_t>(), q = b.j.get<std::int64_t>();
-        if (op == "+") return Val{json(p + q)};
-        if (op == "-") return Val{json(p - q)};
-        if (op == "*") return Val{json(p * q)};
+        const std::int64_t p = a.j().get<std::int64_t>(), q = b.j().get<std::int64_t>();
+        if (op == "+" || op == "-" || op == "*") return Val{json(checked(n, op[0], p, q))};
         if ((op == "//" || op == "%") && q == 0) fail(n, "division by zero");
+        if ((op == "//" || op == "%") && q == -1) {  // INT64_MIN // -1 overflows
+          if (op == "%") return Val{json(0)};
+          return Val{json(checked(n, '-', 0, p))};
+        }
         const std::int64_t fl = p / q - ((p % q != 0 && ((p < 0) != (q < 0))) ? 1 : 0);
         if (op == "//") return Val{json(fl)};
         if (op == "%") return Val{json(p - fl * q)};
-        if (op == "**" && q >= 0) return Val{json(static_cast<std::int64_t>(std::llround(std::pow(x, y))))};
+        if (op == "**" && q >= 0) {
+          if (p == 0 || p == 1) return Val{json(q == 0 ? 1 : p)};
+          if (p == -1) return Val{json(q % 2 ? -1 : 1)};
+          std::int64_t acc = 1;
+          for (std::int64_t e = 0; e < q; ++e) acc = checked(n, '*', acc, p);  // |p| >= 2: overflows within 63 steps
+          return Val{json(acc)};
+        }
       }
       if (op == "+") return Val{json(x + y)};
       if (op == "-") return Val{json(x - y)};
@@ -1082,25 +1241,30 @@ class Renderer {
       if (op == "%") return Val{json(x - std::floor(x / y) * y)};
       if (op == "**") return Val{json(std::pow(x, y))};
     }
-    if (!a.undef && !b.undef && a.j.is_string() && b.j.is_string()) {
-      const auto &x = a.j.get_ref<const std::string&>(), &y = b.j.get_ref<const std::string&>();
+    if (!a.undef && !b.undef && a.j().is_string() && b.j().is_string()) {
+      const auto &x = a.j().get_ref<const std::string&>(), &y = b.j().get_ref<const std::string&>();
       if (op == "<") return Val{json(x < y)};
       if (op == ">") return Val{json(x > y)};
       if (op == "<=") return Val{json(x <= y)};
       if (op == ">=") return Val{json(x >= y)};
     }
     if (op == "+") {
-      if (!a.undef && !b.undef && a.j.is_array() && b.j.is_array()) {
-        json l = a.j;
-        for (const auto& x : b.j) l.push_back(x);
-        return Val{l};
+      if (!a.undef && !b.undef && a.j().is_array() && b.j().is_array()) {
+        json l = a.j();
+        for (const auto& x : b.j()) l.push_back(x);
+        return value(n, std::move(l));
       }
-      if ((!a.undef && a.j.is_string()) || (!b.undef && b.j.is_string())) return Val{json(to_text(a) + to_text(b))};
+      if ((!a.undef && a.j().is_string()) || (!b.undef && b.j().is_string())) return text(n, to_text(a) + to_text(b));
     }
-    if (op == "*" && !a.undef && !b.undef && a.j.is_string() && b.j.is_number_integer()) {
+    if (op == "*" && !a.undef && !b.undef && a.j().is_string() && b.j().is_number_integer()) {
+      const auto& unit = a.j().get_ref<const std::string&>();
+      const std::int64_t times = b.j().get<std::int64_t>();
+      if (times > 0 && !unit.empty() && static_cast<std::uint64_t>(times) > kMaxBytes / unit.size())
+        fail(n, fmt::format("the rendering makes a string over {} MiB", kMaxBytes >> 20));
       std::string r;
-      for (std::int64_t i = 0; i < b.j.get<std::int64_t>(); ++i) r += a.j.get<std::string>();
-      return Val{json(r)};
+      if (times > 0) r.reserve(unit.size() * static_cast<std::size_t>(times));
+      for (std::int64_t i = 0; i < times; ++i) r.append(unit);
+      return text(n, std::move(r));
     }
     fail(n, fmt::format("unsupported operand types for {}: {} and {}", op, type_name(a), type_name(b)));
   }
@@ -1114,11 +1278,11 @@ class Renderer {
     if (f == "namespace") {
       json ns = json::object();
       for (const auto& p : a.pos) {
-        if (!p.j.is_object()) fail(n, "namespace() takes a dict or keyword arguments");
-        for (auto it = p.j.begin(); it != p.j.end(); ++it) ns[it.key()] = it.value();
+        if (!p.j().is_object()) fail(n, "namespace() takes a dict or keyword arguments");
+        for (auto it = p.j().begin(); it != p.j().end(); ++it) ns[it.key()] = it.value();
       }
-      for (const auto& [k, v] : a.kw) ns[k] = v.j;
-      return Val{ns};
+      for (const auto& [k, v] : a.kw) ns[k] = v.j();
+      return value(n, std::move(ns));
     }
     if (f == "range") {
       std::int64_t start = 0, stop = 0, step = 1;
@@ -1129,9 +1293,14 @@ class Renderer {
         if (a.pos.size() > 2) step = integer(n, a.pos[2], "range()");
       }
       if (step == 0) fail(n, "range() step cannot be zero");
+      const __int128 span = step > 0 ? static_cast<__int128>(stop) - start : static_cast<__int128>(start) - stop;
+      const __int128 count = span <= 0 ? 0 : (span + (step > 0 ? step : -static_cast<__int128>(step)) - 1) /
+                                                  (step > 0 ? step : -static_cast<__int128>(step));
+      if (count > static_cast<__int128>(kMaxItems))
+        fail(n, fmt::format("the rendering makes a list of over {} items", kMaxItems));
       json l = json::array();
-      for (std::int64_t i = start; step > 0 ? i < stop : i > stop; i += step) l.push_back(i);
-      return Val{l};
+      for (__int128 k = 0; k < count; ++k) l.push_back(static_cast<std::int64_t>(start + k * step));
+      return value(n, std::move(l));
     }
     if (f == "raise_exception") DMI_FAIL("{}: the chat template refused the conversation: {}", name_, to_text(a.get(0, "message")));
     if (f == "strftime_now") {
@@ -1146,13 +1315,13 @@ class Renderer {
   }
 
   Val method(const Node& n, const Val& o, const std::string& m, const Args& a) {
-    if (!o.undef && o.j.is_string()) {
-      const std::string& s = o.j.get_ref<const std::string&>();
+    if (!o.undef && o.j().is_string()) {
+      const std::string& s = o.j().get_ref<const std::string&>();
       if (m == "startswith" || m == "endswith") {
         const Val p = a.get(0, "prefix");
         std::vector<std::string> pats;
-        if (p.j.is_array())
-          for (const auto& x : p.j) pats.push_back(str(n, Val{x}, m.c_str()));
+        if (p.j().is_array())
+          for (const auto& x : p.j()) pats.push_back(str(n, Val::part(p, x), m.c_str()));
         else
           pats.push_back(str(n, p, m.c_str()));
         for (const auto& x : pats)
@@ -1161,14 +1330,14 @@ class Renderer {
             return Val{json(true)};
         return Val{json(false)};
       }
-      if (m == "strip") return Val{json(strip(s, a.get(0, "chars"), true, true))};
-      if (m == "lstrip") return Val{json(strip(s, a.get(0, "chars"), true, false))};
-      if (m == "rstrip") return Val{json(strip(s, a.get(0, "chars"), false, true))};
+      if (m == "strip") return text(n, strip(s, a.get(0, "chars"), true, true));
+      if (m == "lstrip") return text(n, strip(s, a.get(0, "chars"), true, false));
+      if (m == "rstrip") return text(n, strip(s, a.get(0, "chars"), false, true));
       if (m == "upper" || m == "lower") {
         std::string r = s;
         for (char& ch : r) ch = static_cast<char>(m == "upper" ? std::toupper(static_cast<unsigned char>(ch))
                                                                 : std::tolower(static_cast<unsigned char>(ch)));
-        return Val{json(r)};
+        return text(n, std::move(r));
       }
       if (m == "title" || m == "capitalize") return filter_string(n, m, s);
       if (m == "split") return split(n, s, a.get(0, "sep"), a.get(1, "maxsplit"));
@@ -1179,26 +1348,27 @@ class Renderer {
         bool first = true;
         for (const auto& x : items_of(n, l)) {
           r += (first ? "" : s) + to_text(x);
+          fits(n, r);
           first = false;
         }
-        return Val{json(r)};
+        return text(n, std::move(r));
       }
     }
-    if (!o.undef && o.j.is_object()) {
+    if (!o.undef && o.j().is_object()) {
       if (m == "items") {
         json l = json::array();
-        for (auto it = o.j.begin(); it != o.j.end(); ++it) l.push_back(json::array({it.key(), it.value()}));
-        return Val{l};
+        for (auto it = o.j().begin(); it != o.j().end(); ++it) l.push_back(json::array({it.key(), it.value()}));
+        return value(n, std::move(l));
       }
       if (m == "keys" || m == "values") {
         json l = json::array();
-        for (auto it = o.j.begin(); it != o.j.end(); ++it) l.push_back(m == "keys" ? json(it.key()) : it.value());
-        return Val{l};
+        for (auto it = o.j().begin(); it != o.j().end(); ++it) l.push_back(m == "keys" ? json(it.key()) : it.value());
+        return value(n, std::move(l));
       }
       if (m == "get") {
         const Val k = a.get(0, "key");
-        if (k.j.is_string())
-          if (auto it = o.j.find(k.j.get<std::string>()); it != o.j.end()) return Val{*it};
+        if (k.j().is_string())
+          if (auto it = o.j().find(k.j().get<std::string>()); it != o.j().end()) return Val::part(o, *it);
         const Val d = a.get(1, "default");
         return d.undef ? Val{json()} : d;
       }
@@ -1207,9 +1377,9 @@ class Renderer {
   }
 
   Val split(const Node& n, const std::string& s, const Val& sep, const Val& maxsplit_v) {
-    std::int64_t maxsplit = maxsplit_v.undef || maxsplit_v.j.is_null() ? -1 : integer(n, maxsplit_v, "split()");
+    std::int64_t maxsplit = maxsplit_v.undef || maxsplit_v.j().is_null() ? -1 : integer(n, maxsplit_v, "split()");
     json l = json::array();
-    if (sep.undef || sep.j.is_null()) {
+    if (sep.undef || sep.j().is_null()) {
       std::size_t i = s.find_first_not_of(kSpaces);
       while (i != std::string::npos) {
         if (maxsplit >= 0 && static_cast<std::int64_t>(l.size()) >= maxsplit) {
@@ -1220,7 +1390,7 @@ class Renderer {
         l.push_back(s.substr(i, e == std::string::npos ? std::string::npos : e - i));
         i = e == std::string::npos ? e : s.find_first_not_of(kSpaces, e);
       }
-      return Val{l};
+      return value(n, std::move(l));
     }
     const std::string d = str(n, sep, "split()");
     if (d.empty()) fail(n, "split(): empty separator");
@@ -1229,7 +1399,7 @@ class Renderer {
       const std::size_t e = s.find(d, i);
       if (e == std::string::npos || (maxsplit >= 0 && static_cast<std::int64_t>(l.size()) >= maxsplit)) {
         l.push_back(s.substr(i));
-        return Val{l};
+        return value(n, std::move(l));
       }
       l.push_back(s.substr(i, e - i));
       i = e + d.size();
@@ -1240,28 +1410,30 @@ class Renderer {
     const std::string from = str(n, a.get(0, "old"), "replace()");
     const std::string to = str(n, a.get(1, "new"), "replace()");
     const Val cv = a.get(2, "count");
-    std::int64_t count = cv.undef || cv.j.is_null() ? -1 : integer(n, cv, "replace()");
+    std::int64_t count = cv.undef || cv.j().is_null() ? -1 : integer(n, cv, "replace()");
     std::string r;
     std::size_t i = 0;
     if (from.empty()) {  // Python inserts `to` between characters
-      for (const auto& cp : code_points(s)) {
+      for (const auto& cp : chars(n, s)) {
         if (count-- != 0) r += to;
         r += cp;
+        fits(n, r);
       }
       if (count != 0) r += to;
-      return Val{json(r)};
+      return text(n, std::move(r));
     }
     while (count != 0) {
       const std::size_t e = s.find(from, i);
       if (e == std::string::npos) break;
       r += s.substr(i, e - i) + to;
+      fits(n, r);
       i = e + from.size();
       --count;
     }
-    return Val{json(r + s.substr(i))};
+    return text(n, r + s.substr(i));
   }
 
-  Val filter_string(const Node&, const std::string& f, const std::string& s) {
+  Val filter_string(const Node& n, const std::string& f, const std::string& s) {
     std::string r = s;
     bool start = true;
     for (std::size_t i = 0; i < r.size(); ++i) {
@@ -1273,7 +1445,7 @@ class Renderer {
         start = !std::isalpha(ch);
       }
     }
-    return Val{json(r)};
+    return text(n, std::move(r));
   }
 
   Val filter(const Node& n) {
@@ -1282,19 +1454,19 @@ class Renderer {
     const std::string& f = n.s;
     if (f == "length" || f == "count") {
       if (v.undef) return Val{json(0)};
-      if (v.j.is_string()) return Val{json(code_points(v.j.get<std::string>()).size())};
-      if (v.j.is_array() || v.j.is_object()) return Val{json(v.j.size())};
+      if (v.j().is_string()) return Val{json(count_code_points(v.j().get<std::string>()))};
+      if (v.j().is_array() || v.j().is_object()) return Val{json(v.j().size())};
       fail(n, fmt::format("a {} has no length", type_name(v)));
     }
-    if (f == "trim") return Val{json(strip(str(n, v, "trim"), a.get(0, "chars"), true, true))};
+    if (f == "trim") return text(n, strip(str(n, v, "trim"), a.get(0, "chars"), true, true));
     if (f == "tojson") {
       const Val ind = a.get(0, "indent");
       std::string r;
-      dump_json(v.undef ? json() : v.j, ind.undef || ind.j.is_null() ? 0 : static_cast<int>(integer(n, ind, "tojson")),
+      dump_json(v.undef ? json() : v.j(), ind.undef || ind.j().is_null() ? 0 : static_cast<int>(integer(n, ind, "tojson")),
                 0, r);
-      return Val{json(r)};
+      return text(n, std::move(r));
     }
-    if (f == "string") return Val{json(to_text(v))};
+    if (f == "string") return text(n, to_text(v));
     if (f == "safe") return v;
     if (f == "upper" || f == "lower" || f == "title" || f == "capitalize") {
       if (f == "title" || f == "capitalize") return filter_string(n, f, str(n, v, f.c_str()));
@@ -1316,20 +1488,20 @@ class Renderer {
     }
     if (f == "list") {
       json l = json::array();
-      for (const auto& x : items_of(n, v)) l.push_back(x.j);
-      return Val{l};
+      for (const auto& x : items_of(n, v)) l.push_back(x.j());
+      return value(n, std::move(l));
     }
     if (f == "reverse") {
-      if (v.j.is_string()) {
-        auto cps = code_points(v.j.get<std::string>());
+      if (v.j().is_string()) {
+        auto cps = chars(n, v.j().get<std::string>());
         std::string r;
         for (auto it = cps.rbegin(); it != cps.rend(); ++it) r += *it;
-        return Val{json(r)};
+        return text(n, std::move(r));
       }
       json l = json::array();
       const auto items = items_of(n, v);
-      for (auto it = items.rbegin(); it != items.rend(); ++it) l.push_back(it->j);
-      return Val{l};
+      for (auto it = items.rbegin(); it != items.rend(); ++it) l.push_back(it->j());
+      return value(n, std::move(l));
     }
     if (f == "join") {
       const Val sep = a.get(0, "d");
@@ -1339,13 +1511,14 @@ class Renderer {
       for (const auto& x : items_of(n, v)) {
         r += (first ? "" : (sep.undef ? "" : to_text(sep))) +
              to_text(attr.undef ? x : item(n, x, attr));
+        fits(n, r);
         first = false;
       }
-      return Val{json(r)};
+      return text(n, std::move(r));
     }
     if (f == "items") return method(n, v, "items", {});
     if (f == "int") {
-      if (v.j.is_number()) return Val{json(static_cast<std::int64_t>(v.j.get<double>()))};
+      if (v.j().is_number()) return Val{json(static_cast<std::int64_t>(v.j().get<double>()))};
       try {
         return Val{json(static_cast<std::int64_t>(std::stoll(to_text(v))))};
       } catch (const std::exception&) {
@@ -1353,8 +1526,8 @@ class Renderer {
       }
     }
     if (f == "abs") {
-      if (v.j.is_number_integer()) return Val{json(std::llabs(v.j.get<std::int64_t>()))};
-      if (v.j.is_number()) return Val{json(std::fabs(v.j.get<double>()))};
+      if (v.j().is_number_integer()) return Val{json(std::llabs(v.j().get<std::int64_t>()))};
+      if (v.j().is_number()) return Val{json(std::fabs(v.j().get<double>()))};
       fail(n, fmt::format("abs of a {}", type_name(v)));
     }
     if (f == "map") {
@@ -1363,9 +1536,9 @@ class Renderer {
       json l = json::array();
       for (const auto& x : items_of(n, v)) {
         const Val r = item(n, x, attr);
-        l.push_back(r.undef ? json() : r.j);
+        l.push_back(r.undef ? json() : r.j());
       }
-      return Val{l};
+      return value(n, std::move(l));
     }
     if (f == "selectattr" || f == "rejectattr") {
       const Val attr = a.get(0, "attribute");
@@ -1379,9 +1552,9 @@ class Renderer {
           std::vector<Val> rest(a.pos.begin() + 2, a.pos.end());
           r = apply_test(n, str(n, a.pos[1], f.c_str()), field, rest);
         }
-        if (r == (f == "selectattr")) l.push_back(x.j);
+        if (r == (f == "selectattr")) l.push_back(x.j());
       }
-      return Val{l};
+      return value(n, std::move(l));
     }
     fail(n, fmt::format("unsupported Jinja filter '{}'", f));
   }
@@ -1394,7 +1567,7 @@ class Renderer {
   }
 
   bool apply_test(const Node& n, const std::string& t, const Val& v, const std::vector<Val>& rest) {
-    const json& j = v.j;
+    const json& j = v.j();
     if (t == "defined") return !v.undef;
     if (t == "undefined") return v.undef;
     if (t == "none") return !v.undef && j.is_null();
@@ -1418,16 +1591,11 @@ class Renderer {
     if (rest.empty() && (t == "equalto" || t == "eq" || t == "==" || t == "sameas" || t == "ne" || t == "!=" ||
                          t == "in" || t == "divisibleby"))
       fail(n, fmt::format("the test '{}' needs an argument", t));
-    if (t == "equalto" || t == "eq" || t == "==" || t == "sameas") return equal(v, rest[0]);
-    if (t == "ne" || t == "!=") return !equal(v, rest[0]);
+    if (t == "equalto" || t == "eq" || t == "==" || t == "sameas") return equal(n, v, rest[0]);
+    if (t == "ne" || t == "!=") return !equal(n, v, rest[0]);
     if (t == "divisibleby") return integer(n, v, t.c_str()) % integer(n, rest[0], t.c_str()) == 0;
-    if (t == "in") {
-      const Val& b = rest[0];
-      if (b.j.is_array()) return std::any_of(b.j.begin(), b.j.end(), [&](const json& x) { return equal(v, Val{x}); });
-      if (b.j.is_object()) return j.is_string() && b.j.contains(j.get<std::string>());
-      if (b.j.is_string()) return b.j.get<std::string>().find(str(n, v, "in")) != std::string::npos;
-      return false;
-    }
+    if (t == "in") return (rest[0].j().is_array() || rest[0].j().is_object() || rest[0].j().is_string()) &&
+                          contains(n, v, rest[0]);
     fail(n, fmt::format("unsupported Jinja test '{}'", t));
   }
 };

@@ -72,6 +72,36 @@ TEST_CASE("jinja: unsupported constructs and bad templates are one-line errors n
     CHECK(e.find('\n') == std::string::npos);
 }
 
+// Templates come inside model files: a hostile or broken one must end in a
+// one-line error, never a crash, a hang or all of memory.
+TEST_CASE("jinja: hostile templates hit a limit and fail with a message") {
+  const std::string deep = std::string(300, '(') + "1" + std::string(300, ')');
+  CHECK(error_of("{{ " + deep + " }}") == "test.jinja line 1: the chat template nests more than 200 levels deep");
+  std::string ifs;
+  for (int i = 0; i < 250; ++i) ifs += "{% if true %}";
+  for (int i = 0; i < 250; ++i) ifs += "{% endif %}";
+  CHECK(error_of(ifs).find("nests more than 200 levels deep") != std::string::npos);
+  CHECK(error_of("{{ 99999999999999999999999 }}").find("syntax error") != std::string::npos);
+  CHECK(error_of("{{ 9223372036854775807 + 1 }}") == "test.jinja line 1: chat template error: integer overflow");
+  CHECK(error_of("{{ -9223372036854775807 - 2 }}") == "test.jinja line 1: chat template error: integer overflow");
+  CHECK(error_of("{{ 3 ** 40 }}") == "test.jinja line 1: chat template error: integer overflow");
+  CHECK(error_of("{{ 4294967296 * 4294967296 }}") == "test.jinja line 1: chat template error: integer overflow");
+  CHECK(render("{{ 2 ** 62 }} {{ (-1) ** 7 }} {{ 1 ** 99999999999 }} {{ -9223372036854775807 - 1 }}") ==
+        "4611686018427387904 -1 1 -9223372036854775808");
+  CHECK(error_of("{{ range(10000000) | length }}") ==
+        "test.jinja line 1: chat template error: the rendering makes a list of over 1000000 items");
+  CHECK(error_of("{{ 'x' * 100000000 }}") == "test.jinja line 1: chat template error: the rendering makes a string over 64 MiB");
+  CHECK(error_of("{% set s = 'x' * 33554433 %}{{ s ~ s }}") ==
+        "test.jinja line 1: chat template error: the rendering makes a string over 64 MiB");
+  CHECK(error_of("{% for i in range(1000000) %}{% if i + i + i + i + i + i + i + i > 0 %}{% endif %}{% endfor %}")
+            .find("the rendering takes more than 5000000 steps") != std::string::npos);
+  // Work that grows with an operand counts too: comparing, scanning, iterating.
+  for (const std::string t : {"{% set xs = range(1000000) %}{% for i in xs %}{% if xs == xs %}{% endif %}{% endfor %}",
+                              "{% set xs = range(1000000) %}{% for i in xs %}{% if -1 in xs %}{% endif %}{% endfor %}",
+                              "{% set xs = range(1000000) %}{% for i in xs %}{% for x in xs %}{% break %}{% endfor %}{% endfor %}"})
+    CHECK_MESSAGE(error_of(t).find("the rendering takes more than 5000000 steps") != std::string::npos, t);
+}
+
 TEST_CASE("chat template: Qwen3 and Llama 3 render and tokenize as transformers.js") {
   int total = 0;
   for (const std::string name : {"qwen3", "llama3"}) {

@@ -1211,10 +1211,8 @@ class Renderer {
       if (op == ">") return Val{json(x > y)};
       if (op == "<=") return Val{json(x <= y)};
       if (op == ">=") return Val{json(x >= y)};
-      if (op == "/") {
-        if (y == 0) fail(n, "division by zero");
-        return Val{json(x / y)};
-      }
+      if ((op == "/" || ((op == "//" || op == "%") && !ints)) && y == 0) fail(n, "division by zero");
+      if (op == "/") return Val{json(x / y)};
       if (ints) {
         const std::int64_t p = a.j().get<std::int64_t>(), q = b.j().get<std::int64_t>();
         if (op == "+" || op == "-" || op == "*") return Val{json(checked(n, op[0], p, q))};

@@ -281,7 +281,7 @@ class Parser {
   struct Nested {
     Parser& p;
     explicit Nested(Parser& parser) : p(parser) {
-      if (++p.nesting_ > kMaxDepth) p.fail(fmt::format("the chat template nests more than {} levels deep", kMaxDepth));
+      if (++p.nesting_ > kMaxDepth) p.fail(fmt::format("the chat template nests too deeply (parser depth over {}: about 60 parentheses or 100 blocks)", kMaxDepth));
     }
     ~Nested() { --p.nesting_; }
   };
@@ -290,7 +290,7 @@ class Parser {
     for (const auto& c : n->c)
       if (c) d = std::max(d, c->depth);
     n->depth = d + 1;
-    if (n->depth > kMaxDepth) fail(fmt::format("the chat template nests more than {} levels deep", kMaxDepth));
+    if (n->depth > kMaxDepth) fail(fmt::format("the chat template nests too deeply (parser depth over {}: about 60 parentheses or 100 blocks)", kMaxDepth));
     return n;
   }
   static std::shared_ptr<Node> make(Node::Kind k, int line) {

@@ -839,7 +839,7 @@ void dump_json(const json& j, int indent, int depth, std::string& out) {
     out += "{";
     bool first = true;
     for (auto it = j.begin(); it != j.end(); ++it, first = false) {
-      out += (first ? "" : sep) + pad + json(it.key()).dump() + ": ";
+      out += (first ? "" : sep) + pad + json(it.key()).dump(-1, ' ', false, json::error_handler_t::replace) + ": ";
       dump_json(it.value(), indent, depth + 1, out);
     }
     out += end_pad + "}";
@@ -1221,9 +1221,10 @@ class Renderer {
           if (op == "%") return Val{json(0)};
           return Val{json(checked(n, '-', 0, p))};
         }
-        const std::int64_t fl = p / q - ((p % q != 0 && ((p < 0) != (q < 0))) ? 1 : 0);
-        if (op == "//") return Val{json(fl)};
-        if (op == "%") return Val{json(p - fl * q)};
+        if (op == "//" || op == "%") {  // Python floors
+          const std::int64_t fl = p / q - ((p % q != 0 && ((p < 0) != (q < 0))) ? 1 : 0);
+          return Val{json(op == "//" ? fl : p - fl * q)};
+        }
         if (op == "**" && q >= 0) {
           if (p == 0 || p == 1) return Val{json(q == 0 ? 1 : p)};
           if (p == -1) return Val{json(q % 2 ? -1 : 1)};
@@ -1607,7 +1608,11 @@ JinjaTemplate::JinjaTemplate(std::string_view source, std::string name) : name_(
 std::string JinjaTemplate::render(const nlohmann::ordered_json& variables) const {
   DMI_CHECK(variables.is_object(), "{}: chat template variables must be a JSON object", name_);
   Renderer r(name_, variables);
-  r.exec(*root_);
+  try {
+    r.exec(*root_);
+  } catch (const nlohmann::json::exception& e) {  // a value the template mishandles, never a crash
+    DMI_FAIL("{}: chat template error: {}", name_, e.what());
+  }
   return std::move(r.out);
 }
 

@@ -88,6 +88,8 @@ TEST_CASE("jinja: hostile templates hit a limit and fail with a message") {
   CHECK(error_of("{{ 4294967296 * 4294967296 }}") == "test.jinja line 1: chat template error: integer overflow");
   CHECK(error_of("{{ 1.5 // 0 }}") == "test.jinja line 1: chat template error: division by zero");
   CHECK(error_of("{{ 7 % 0 }}") == "test.jinja line 1: chat template error: division by zero");
+  CHECK(render("{{ 4 ** 0 }} {{ 0 ** 0 }}") == "1 1");  // found by fuzzing: the floor division ran first
+  CHECK(render("{{ {'k\xff': 1} | tojson }}") == "{\"k\xef\xbf\xbd\": 1}");  // invalid UTF-8 key: replaced, not thrown
   CHECK(render("{{ 2 ** 62 }} {{ (-1) ** 7 }} {{ 1 ** 99999999999 }} {{ -9223372036854775807 - 1 }}") ==
         "4611686018427387904 -1 1 -9223372036854775808");
   CHECK(error_of("{{ range(10000000) | length }}") ==

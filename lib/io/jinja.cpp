@@ -33,7 +33,7 @@ struct JinjaTemplate::Node {
   std::vector<std::string> names;  // for/set targets
   json lit;
   bool negated = false;            // "is not"
-  mutable int depth = 1;           // of the tree below (bounded: evaluation recurses)
+  int depth = 1;                   // of the tree below (bounded: evaluation recurses)
   std::vector<NodeP> c;            // children (null where optional and absent)
 };
 using Node = JinjaTemplate::Node;
@@ -278,19 +278,22 @@ class Parser {
   // how deep the tree it builds gets (evaluating and freeing it recurse).
   static constexpr int kMaxDepth = 200;
   int nesting_ = 0;
+  void check_depth(int depth) const {
+    if (depth > kMaxDepth)
+      fail(fmt::format("the chat template nests too deeply (parser depth over {}: about 60 parentheses or 100 blocks)",
+                       kMaxDepth));
+  }
   struct Nested {
     Parser& p;
-    explicit Nested(Parser& parser) : p(parser) {
-      if (++p.nesting_ > kMaxDepth) p.fail(fmt::format("the chat template nests too deeply (parser depth over {}: about 60 parentheses or 100 blocks)", kMaxDepth));
-    }
+    explicit Nested(Parser& parser) : p(parser) { p.check_depth(++p.nesting_); }
     ~Nested() { --p.nesting_; }
   };
-  NodeP done(NodeP n) {
+  NodeP done(std::shared_ptr<Node> n) {
     int d = 0;
     for (const auto& c : n->c)
       if (c) d = std::max(d, c->depth);
     n->depth = d + 1;
-    if (n->depth > kMaxDepth) fail(fmt::format("the chat template nests too deeply (parser depth over {}: about 60 parentheses or 100 blocks)", kMaxDepth));
+    check_depth(n->depth);
     return n;
   }
   static std::shared_ptr<Node> make(Node::Kind k, int line) {
@@ -330,14 +333,14 @@ class Parser {
           end = kw;
           return done(b);
         }
-        if (NodeP n = statement(kw, line)) b->c.push_back(done(n));
+        if (auto n = statement(kw, line)) b->c.push_back(done(n));
       } else {
         fail(fmt::format("chat template syntax error: unexpected '{}'", tok.v));
       }
     }
   }
 
-  NodeP statement(const std::string& kw, int line) {
+  std::shared_ptr<Node> statement(const std::string& kw, int line) {
     std::string end;
     if (kw == "if") {
       auto n = make(Node::If, line);
@@ -950,8 +953,12 @@ class Renderer {
     if (b.j().is_string()) return b.j().get<std::string>().find(str(n, a, "'in' on a string")) != std::string::npos;
     fail(n, fmt::format("'in' on a {}", type_name(b)));
   }
-  void fits(const Node& n, const std::string& s) const {
-    if (s.size() > kMaxBytes) fail(n, fmt::format("the rendering makes a string over {} MiB", kMaxBytes >> 20));
+  void fits(const Node& n, std::uint64_t bytes) const {
+    if (bytes > kMaxBytes) fail(n, fmt::format("the rendering makes a string over {} MiB", kMaxBytes >> 20));
+  }
+  void fits(const Node& n, const std::string& s) const { fits(n, s.size()); }
+  void fits_items(const Node& n, std::uint64_t count) const {
+    if (count > kMaxItems) fail(n, fmt::format("the rendering makes a list of over {} items", kMaxItems));
   }
   // All strings and lists a rendering makes, together: at most kMaxMade bytes.
   static constexpr std::uint64_t kMaxMade = 1ull << 30;
@@ -974,7 +981,7 @@ class Renderer {
   }
   // A list or dict the rendering made, counted against the limits.
   Val value(const Node& n, json l) {
-    if (l.size() > kMaxItems) fail(n, fmt::format("the rendering makes a list of over {} items", kMaxItems));
+    fits_items(n, l.size());
     made(n, weight(l));
     return Val{std::move(l)};
   }
@@ -1259,7 +1266,7 @@ class Renderer {
       const auto& unit = a.j().get_ref<const std::string&>();
       const std::int64_t times = b.j().get<std::int64_t>();
       if (times > 0 && !unit.empty() && static_cast<std::uint64_t>(times) > kMaxBytes / unit.size())
-        fail(n, fmt::format("the rendering makes a string over {} MiB", kMaxBytes >> 20));
+        fits(n, kMaxBytes + 1);
       std::string r;
       if (times > 0) r.reserve(unit.size() * static_cast<std::size_t>(times));
       for (std::int64_t i = 0; i < times; ++i) r.append(unit);
@@ -1295,8 +1302,7 @@ class Renderer {
       const __int128 span = step > 0 ? static_cast<__int128>(stop) - start : static_cast<__int128>(start) - stop;
       const __int128 count = span <= 0 ? 0 : (span + (step > 0 ? step : -static_cast<__int128>(step)) - 1) /
                                                   (step > 0 ? step : -static_cast<__int128>(step));
-      if (count > static_cast<__int128>(kMaxItems))
-        fail(n, fmt::format("the rendering makes a list of over {} items", kMaxItems));
+      fits_items(n, count > static_cast<__int128>(kMaxItems) ? kMaxItems + 1 : static_cast<std::uint64_t>(count));
       json l = json::array();
       for (__int128 k = 0; k < count; ++k) l.push_back(static_cast<std::int64_t>(start + k * step));
       return value(n, std::move(l));

@@ -24,6 +24,7 @@
 #include "io/tokenizer.h"
 #include "io/vectors.h"
 #include "sink/capture_file.h"
+#include "sink/merge.h"
 #include "sink/hdf5_sink.h"
 
 using nlohmann::json;
@@ -160,6 +161,8 @@ int cmd_summary(const CaptureFile& f, const Options& o) {
   if (auto t = f.int_attr("threads")) j["threads"] = *t;
   if (auto b = f.int_attr("batch_size")) j["batch_size"] = *b;
   if (auto r = json::parse(f.text_attr("replay_of"), nullptr, false); r.is_object()) j["replay_of"] = r;
+  if (auto r = json::parse(f.text_attr("shard"), nullptr, false); r.is_object()) j["shard"] = r;
+  if (auto r = json::parse(f.text_attr("merged"), nullptr, false); r.is_object()) j["merged"] = r;
   if (auto iv = json::parse(f.text_attr("interventions"), nullptr, false); iv.is_array() && !iv.empty()) {
     j["interventions"] = json::array();
     for (const auto& e : iv) j["interventions"].push_back(fmt::format("--{} {}", e.value("kind", std::string("?")),
@@ -202,13 +205,31 @@ int cmd_summary(const CaptureFile& f, const Options& o) {
                j["replay_of"].value("fingerprint_matched", false) ? "matched" : "differed");
   if (j.contains("interventions"))
     for (const auto& e : j["interventions"]) fmt::print("  intervention {}\n", e.get<std::string>());
+  if (j.contains("shard"))
+    fmt::print("  shard        {} of {}: prompts {}..{} of {} (the others are 'skipped'; dmi-inspect merge joins "
+               "the shards)\n", j["shard"].value("index", -1), j["shard"].value("count", -1),
+               j["shard"].value("begin", 0), j["shard"].value("end", 0), j["shard"].value("sequences", 0));
+  if (j.contains("merged")) {
+    const json& m = j["merged"];
+    std::vector<std::string> files;
+    for (const auto& s : m.value("shards", json::array())) files.push_back(s.value("file", std::string("?")));
+    fmt::print("  merged       {} of {} shards, {}: {}{}\n", files.size(), m.value("count", 0),
+               m.value("mode", std::string()) == "virtual" ? "virtual datasets over the shard files" : "rows copied",
+               fmt::join(files, " "),
+               m.value("missing", json::array()).empty() ? ""
+                   : fmt::format(" (partial: shards {} missing)", m["missing"].dump()));
+  }
   if (f.int_attr("records_written"))
     fmt::print("  records      {} written, {} dropped\n", j["records_written"].get<std::int64_t>(),
                j["records_dropped"].get<std::int64_t>());
   else
     fmt::print("  records      (counted when the file is closed)\n");
   fmt::print("  sequences    {}\n", f.n_sequences());
-  fmt::print("  sites        {} ({} stored, {} uncompressed)\n", f.sites().size(), fmt_bytes(stored), fmt_bytes(raw));
+  const bool virtual_rows = !f.sites().empty() && f.sites()[0].virtual_rows;
+  if (virtual_rows)
+    fmt::print("  sites        {} ({} uncompressed, stored in the shard files)\n", f.sites().size(), fmt_bytes(raw));
+  else
+    fmt::print("  sites        {} ({} stored, {} uncompressed)\n", f.sites().size(), fmt_bytes(stored), fmt_bytes(raw));
   int last_layer = -2;
   for (const auto& s : f.sites()) {
     if (s.layer != last_layer && s.layer >= 0) fmt::print("    blocks.{}\n", s.layer);
@@ -216,7 +237,7 @@ int cmd_summary(const CaptureFile& f, const Options& o) {
     std::string shape = fmt::format("[{}]", fmt::join(s.row_shape, ", "));
     fmt::print("    {}{:<34} {:>8} rows  {:<14} {:<8} {:>10} / {:>10}{}\n", s.layer >= 0 ? "  " : "",
                s.layer >= 0 ? s.name.substr(s.name.find('.', 7) + 1) : s.name, s.rows, shape, s.dtype,
-               fmt_bytes(s.stored_bytes), fmt_bytes(s.raw_bytes),
+               s.virtual_rows ? std::string("in shards") : fmt_bytes(s.stored_bytes), fmt_bytes(s.raw_bytes),
                s.records_dropped ? fmt::format("  ({} records dropped)", s.records_dropped) : "");
   }
   return 0;
@@ -609,6 +630,23 @@ int cmd_vector_export(const VectorOptions& v, bool as_json) {
   return 0;
 }
 
+int cmd_merge(const dmi::sink::MergeOptions& m, bool as_json) {
+  const auto r = dmi::sink::merge_captures(m);
+  if (as_json) {
+    std::cout << json{{"output", r.output}, {"mode", r.mode}, {"status", r.status}, {"shards", r.shards},
+                      {"count", r.count}, {"missing", r.missing}, {"sequences", r.sequences}, {"sites", r.sites},
+                      {"rows", r.rows}, {"file_bytes", r.file_bytes}}
+                     .dump(2)
+              << "\n";
+    return 0;
+  }
+  fmt::print("{}: {} of {} shards merged ({}{}), {} sequences, {} rows in {} sites, status {}, {}\n", r.output,
+             r.shards, r.count, r.mode == "virtual" ? "virtual datasets over the shard files" : "rows copied",
+             r.missing.empty() ? "" : fmt::format("; missing shards {}", fmt::join(r.missing, ", ")), r.sequences,
+             r.rows, r.sites, r.status, fmt_bytes(r.file_bytes));
+  return 0;
+}
+
 int cmd_recover(const Options& o) {
   std::unique_ptr<dmi::io::Tokenizer> tok;
   {
@@ -722,6 +760,7 @@ int main(int argc, char** argv) {
       "  dmi-inspect run.h5 logits --seq 0 --pos 7 --top 10\n"
       "  dmi-inspect run.h5 text --follow                (while dmi-run writes run.h5: new tokens as they come)\n"
       "  dmi-inspect run.h5 recover                      (close the file of a killed run for every HDF5 reader)\n"
+      "  dmi-inspect merge run.h5 part-0.h5 part-1.h5    (one capture over the files of dmi-run --shard K/N)\n"
       "  dmi-inspect run.h5 attn-tracker --heads heads.json --inst 1:12 --data 12:40 --json\n"
       "  dmi-inspect attn-tracker-select --benign benign.h5 --attack attack.h5 --inst 1:12 --data 12:40 -o heads.json\n"
       "  dmi-inspect steer-vector make --pos happy.h5 --neg sad.h5 --site resid_post --select last-prompt -o v.safetensors\n"
@@ -770,6 +809,15 @@ int main(int argc, char** argv) {
   logits->add_option("--top", o.top, "how many")->capture_default_str()->check(dmi::apps::kAtLeastOne);
   auto* recover = app.add_subcommand("recover", "close the file of a run that was killed (status running, writer "
                                                 "gone): sequences from its token log, status killed");
+  dmi::sink::MergeOptions mo;
+  auto* merge = app.add_subcommand("merge", "one capture over the shard files of dmi-run --shard K/N (HDF5 virtual "
+                                   "datasets; no capture file before it; docs/scale-out.md)");
+  merge->add_option("output", mo.output, "the merged capture to write")->required();
+  merge->add_option("shards", mo.shards, "the shard files, in any order")->required();
+  merge->add_flag("--copy", mo.copy, "copy the rows into OUTPUT (self-contained) instead of mapping the shard files");
+  merge->add_flag("--allow-partial", mo.allow_partial,
+                  "merge even if shards are missing; their sequences are marked missing (recorded in the file)");
+  merge->add_flag("--overwrite", mo.overwrite, "replace OUTPUT if it exists");
   TrackerArgs ta;
   auto* tracker = app.add_subcommand("attn-tracker", "the Attention Tracker's focus score per sequence: the last "
                                      "prompt token's attention on the instruction vs the data (docs/monitors.md)");
@@ -813,7 +861,8 @@ int main(int argc, char** argv) {
   vexport->add_option("--gguf", vo.gguf, "output .gguf")->required();
   vexport->add_option("--model-hint", vo.model_hint, "controlvector.model_hint (default: the file's model_hint)");
   vexport->add_flag("--drop-layer0", vo.drop_layer0, "leave out direction.0 (llama.cpp cannot apply it)");
-  for (auto* sub : {summary, sites, text, show, stats, attention, logits, recover, tracker, select, vmake, vshow, vexport})
+  for (auto* sub : {summary, sites, text, show, stats, attention, logits, recover, merge, tracker, select, vmake, vshow,
+                    vexport})
     sub->add_flag("--json", o.json, "machine-readable output");
   for (auto* sub : {summary, text, show, stats, logits}) {
     sub->add_flag("--follow", o.follow, follow_flag->get_description());
@@ -826,6 +875,12 @@ int main(int argc, char** argv) {
       if (vmake->parsed()) return cmd_vector_make(vo, o.json);
       if (vshow->parsed()) return cmd_vector_show(vo, o.json);
       return cmd_vector_export(vo, o.json);
+    });
+  if (merge->parsed())
+    return dmi::apps::guarded("dmi-inspect", [&] {
+      DMI_CHECK(o.file.empty(), "merge takes no capture file before it (dmi-inspect merge OUT.h5 SHARD.h5...)");
+      for (int i = 0; i < argc; ++i) mo.command_line += (i ? " " : "") + std::string(argv[i]);
+      return cmd_merge(mo, o.json);
     });
   if (select->parsed())
     return dmi::apps::guarded("dmi-inspect", [&] {

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <fmt/ranges.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -12,6 +13,8 @@
 #include <cstdlib>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <numeric>
+#include <functional>
 #include <optional>
 #include <set>
 
@@ -22,6 +25,10 @@
 #include "engine/prompts.h"
 #include "engine/replay.h"
 #include "engine/runtime.h"
+#include "engine/shard.h"
+#include "engine/plan.h"
+#include "engine/bench.h"
+#include "io/config.h"
 #include "io/tokenizer.h"
 #include "sink/capture_file.h"
 #include "model/causal_lm.h"
@@ -42,7 +49,7 @@ struct Args {
   double temperature = 0.0, top_p = 1.0;
   std::uint64_t seed = 0;
   int threads = 0;
-  bool json = false, no_special = false, quiet = false, ignore_eos = false;
+  bool json = false, no_special = false, quiet = false, ignore_eos = false, plan = false;
   double progress_every = -1;
   dmi::engine::ChatSettings chat;
   dmi::engine::CaptureConfig capture;
@@ -53,6 +60,7 @@ struct Args {
   bool capture_before = false;
   // --replay
   std::string replay, replay_mode = "exact", seqs;
+  std::string shard;  // --shard K/N | auto
   bool verify = false, allow_mismatch = false;
   double atol = 0, rtol = 0;
   std::vector<CLI::Option*> capture_flags;     // given flags override the record's
@@ -134,14 +142,66 @@ void report(const Args& a, const std::string& model_path, const std::string& arc
                  static_cast<long long>(t.decode_tokens), rate(t.decode_tokens, t.decode_seconds));
 }
 
+// --plan: the capture's rows, file size and rates, from the model's config
+// and tokenizer (a TorchScript model is loaded for its sites); runs nothing.
+int plan(const Args& a, const dmi::engine::RunSettings& s,
+         const std::function<void(const dmi::io::Tokenizer&, dmi::engine::Job&)>& tokenize) {
+  using namespace dmi;
+  engine::PlanInput in;
+  struct stat st {};
+  const bool torchscript = ::stat(s.model_path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  in.model_dtype = s.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  engine::Job job;
+  if (torchscript) {
+    engine::LoadedModel m = engine::load_for_run(s, false);
+    in.cfg = m.model->config();
+    in.space = m.model->site_space();
+    in.weight_bytes = m.model->weight_bytes();
+    tokenize(*m.tokenizer, job);
+  } else {
+    in.cfg = io::load_config(s.model_path + "/config.json");
+    in.space = {static_cast<int>(in.cfg.num_layers), in.cfg.qk_norm, {}};
+    tokenize(io::Tokenizer::load(s.tokenizer_path.empty() ? model::default_tokenizer_path(s.model_path)
+                                                          : s.tokenizer_path),
+             job);
+  }
+  in.capture = s.capture;
+  in.max_new_tokens = s.max_new_tokens;
+  in.batch_size = s.batch_size;
+  in.prompts = job.prompts;
+  for (const auto& t : job.prompt_texts) in.prompt_text_bytes.push_back(t.size());
+  in.batches = job.batches;
+  in.read_bandwidth_gbs = engine::measure_read_bandwidth_gbs();
+  const engine::Plan p = engine::make_plan(in);
+  if (a.json) {
+    nlohmann::json j = engine::plan_json(p);
+    j["model"] = s.model_path;
+    j["selection"] = s.capture.hooks;
+    j["output"] = a.capture.output.empty() ? nlohmann::json() : nlohmann::json(s.capture.output);
+    std::cout << j.dump(2) << "\n";
+  } else {
+    fmt::print("plan for {}: --hooks {}, tokens {}, every {}, capture dtype {}\n",
+               a.capture.output.empty() ? "a capture" : s.capture.output, s.capture.hooks, s.capture.tokens,
+               s.capture.every, s.capture.capture_dtype == "model" ? s.dtype : s.capture.capture_dtype);
+    fmt::print("{}", engine::plan_text(p));
+  }
+  return 0;
+}
+
 int run(const Args& a) {
   using namespace dmi;
   engine::RunSettings s;
   s.threads = engine::configure_threads(a.threads);
   const bool capturing = !a.capture.hooks.empty();
+  std::optional<engine::ShardSpec> shard;
+  if (!a.shard.empty()) shard = engine::parse_shard(a.shard);
+  s.capture = a.capture;
+  if (shard) s.capture.output = engine::shard_output_path(a.capture.output, *shard);
+  DMI_CHECK(!a.plan || capturing, "--plan estimates a capture: it needs --hooks (which sites to capture)");
+  if (a.plan && s.capture.output.empty()) s.capture.output = "plan.h5";  // never created
   if (capturing) {
-    engine::validate_capture_config(a.capture);
-    engine::check_output_path(a.capture);
+    engine::validate_capture_config(s.capture);
+    if (!a.plan) engine::check_output_path(s.capture);
   }
   DMI_CHECK(capturing || a.capture.output.empty(), "--output needs --hooks (which sites to capture)");
   DMI_CHECK(capturing || a.capture.monitors.empty(), "--monitor reads captured rows: it needs --hooks (e.g. --hooks "
@@ -155,7 +215,6 @@ int run(const Args& a) {
   s.sampling = {a.temperature, a.top_k, a.top_p, a.seed};
   s.ignore_eos = a.ignore_eos;
   s.add_special_tokens = !a.no_special;
-  s.capture = a.capture;
   s.command_line = a.command_line;
   s.interventions = a.interventions;
   s.capture_before_interventions = a.capture_before;
@@ -178,16 +237,35 @@ int run(const Args& a) {
       engine::check_intervention_syntax(s.interventions.back());
     }
 
+  auto tokenize = [&](const io::Tokenizer& tok, engine::Job& job) {
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      job.prompts.push_back(specs[i].has_ids ? specs[i].ids
+                                             : tok.encode(specs[i].text, s.add_special_tokens && !specs[i].chat));
+      DMI_CHECK(!job.prompts.back().empty(), "prompt {} is empty after tokenization", i);
+      job.prompt_texts.push_back(specs[i].has_ids ? tok.decode(job.prompts.back()) : specs[i].text);
+    }
+    if (!shard) return;
+    // Only this shard's prompts run; the others stay in the file as
+    // "skipped", so sequence ids are the same in every shard.
+    std::vector<std::int64_t> weights;
+    for (const auto& p : job.prompts) weights.push_back(static_cast<std::int64_t>(p.size()) + s.max_new_tokens);
+    const auto ranges = engine::split_shards(weights, shard->count);
+    const auto& r = ranges[static_cast<std::size_t>(shard->index)];
+    job.batches = engine::shard_batches(r, s.batch_size);
+    job.extra_attributes.emplace_back("shard", engine::shard_record(*shard, ranges, job.prompts.size()));
+    if (!a.quiet)
+      std::fprintf(stderr, "dmi-run: shard %lld of %lld (%s): prompts %zu..%zu of %zu, %lld of %lld tokens\n",
+                   static_cast<long long>(shard->index), static_cast<long long>(shard->count), shard->source.c_str(),
+                   r.begin, r.end, job.prompts.size(), static_cast<long long>(r.weight),
+                   static_cast<long long>(std::accumulate(weights.begin(), weights.end(), std::int64_t{0})));
+  };
+  if (a.plan) return plan(a, s, tokenize);
+
   // A capture records the model's fingerprint (for --replay); patches and
   // ablations check their reference captures against it.
   engine::LoadedModel m = engine::load_for_run(s, /*fingerprint=*/capturing || !s.interventions.empty());
   engine::Job job;
-  for (std::size_t i = 0; i < specs.size(); ++i) {
-    job.prompts.push_back(specs[i].has_ids ? specs[i].ids
-                                           : m.tokenizer->encode(specs[i].text, s.add_special_tokens && !specs[i].chat));
-    DMI_CHECK(!job.prompts.back().empty(), "prompt {} is empty after tokenization", i);
-    job.prompt_texts.push_back(specs[i].has_ids ? m.tokenizer->decode(job.prompts.back()) : specs[i].text);
-  }
+  tokenize(*m.tokenizer, job);
   dmi::apps::install_stop_signals();
   engine::Progress progress;
   engine::ProgressLine line("dmi-run", "sequences", progress, dmi::apps::progress_options(a.quiet, a.progress_every));
@@ -201,7 +279,7 @@ int run(const Args& a) {
     extra["fingerprint"] = {{"seconds", m.model->fingerprint_seconds()}, {"bytes", m.model->fingerprint_bytes()}};
   report(a, s.model_path, m.model->config().architecture, s.threads, out.results, job.prompt_texts, display,
          out.timings,
-         out.capture, out.capture_sites, a.capture.sink == "hdf5" ? a.capture.output : std::string(), *m.tokenizer,
+         out.capture, out.capture_sites, a.capture.sink == "hdf5" ? s.capture.output : std::string(), *m.tokenizer,
          extra);
   return g_stop.load() ? stopped_status() : 0;
 }
@@ -360,6 +438,8 @@ int main(int argc, char** argv) {
       "  dmi-run --prompts p.txt --hooks pattern --tokens last-prompt -n 1 -o run.h5 \\\n"
       "          --monitor attn-tracker:heads=heads.json,inst=0:16,data=16:   # prompt-injection detection\n"
       "  dmi-run --prompts big.txt --hooks residual -o big.h5 --progress-every 60 2> log.txt   # a line a minute\n"
+      "  dmi-run --prompts big.jsonl --hooks residual --shard 2/8 -o part-{shard}.h5   # shard 2 of 8 (scale-out)\n"
+      "  dmi-run --prompts big.jsonl --hooks residual --plan            # expected rows and file size, runs nothing\n"
       "  dmi-run --replay run.h5 --verify                   # re-run a capture, prove it bit-identical\n"
       "  dmi-run --replay run.h5 --replay-mode forced --hooks full -o deep.h5 --seq 3,7   # add sites\n"
       "\nExit status: 0 ok, 2 bad input (one line on stderr), 130 interrupted (143 SIGTERM), 1 internal error;\n"
@@ -476,8 +556,15 @@ int main(int argc, char** argv) {
                     ->check(dmi::apps::kNonNegative);
   a.rtol_flag = rep->add_option("--rtol", a.rtol, "--verify relative tolerance (default: by dtype)")
                     ->check(dmi::apps::kNonNegative);
+  app.add_flag("--plan", a.plan,
+               "print the capture's expected rows per site, file size, records and rates at this machine's decode "
+               "floor, from the model's config and the prompts; runs nothing (with --shard: that shard's)");
+  auto* shard = app.add_option("--shard", a.shard,
+                                "K/N: run only shard K (0..N-1) of N, contiguous prompt ranges balanced by tokens, with "
+                                "global sequence ids (join with dmi-inspect merge); auto: from a Slurm array task or MPI "
+                                "rank. {shard} and {shards} in -o become K and N (docs/scale-out.md)");
   a.recorded_settings = {hook_map, prompt, prompts, prompt_ids, max_new, dtype, temperature, top_k, top_p, seed,
-                         no_special, ignore_eos, steer, ablate, patch, before, chat, system};
+                         no_special, ignore_eos, steer, ablate, patch, before, chat, system, shard};
   app.add_flag("-q,--quiet", a.quiet, "no progress or timing lines on stderr");
   dmi::apps::add_progress_every(app, a.progress_every);
   for (int i = 0; i < argc; ++i) a.command_line += (i ? " " : "") + shell_quote(argv[i]);

@@ -72,12 +72,6 @@ void check_output_path(const CaptureConfig& c) {
   }
 }
 
-namespace {
-// At most how many rows each site gets (sink::StreamInfo::expected_rows).
-// Sequence i has its prompt's p_i tokens and at most
-// min(max_new, width - p_i) generated ones; the last is never fed back (no
-// rows), and of the others every `every`-th is captured. 0 when the prompts
-// are not known; max_new 0 when unknown (width alone bounds it).
 std::int64_t expected_rows(hooks::TokenPolicy policy, std::int64_t every, bool token_log,
                            const std::vector<std::vector<std::int32_t>>& prompts, std::int64_t width,
                            std::int64_t max_new) {
@@ -102,6 +96,20 @@ std::int64_t expected_rows(hooks::TokenPolicy policy, std::int64_t every, bool t
   return rows;
 }
 
+hooks::CaptureOptions capture_options(const CaptureConfig& c, const hooks::SiteSpace& space, std::int64_t max_len) {
+  validate_capture_config(c);
+  hooks::CaptureOptions o;
+  o.selection = hooks::Selection::parse(c.hooks, space);
+  DMI_CHECK(!o.selection.empty(), "--hooks '{}' selects no site", c.hooks);
+  o.tokens = hooks::parse_token_policy(c.tokens);
+  o.every = c.every;
+  o.logits_topk = parse_topk(c.logits);
+  o.capture_dtype = parse_capture_dtype(c.capture_dtype);
+  o.max_len = max_len;
+  return o;
+}
+
+namespace {
 std::int64_t int_info(const sink::RunInfo& info, const std::string& name) {
   for (const auto& [k, v] : info.ints)
     if (k == name) return v;
@@ -111,17 +119,9 @@ std::int64_t int_info(const sink::RunInfo& info, const std::string& name) {
 
 CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, const hooks::SiteSpace& space,
                        at::ScalarType model_dtype, std::int64_t max_len, const sink::RunInfo& info,
-                       const io::Tokenizer* tokenizer) {
-  validate_capture_config(c);
-  hooks::CaptureOptions o;
-  o.selection = hooks::Selection::parse(c.hooks, space);
-  DMI_CHECK(!o.selection.empty(), "--hooks '{}' selects no site", c.hooks);
-  o.tokens = hooks::parse_token_policy(c.tokens);
+                       const io::Tokenizer* tokenizer, const std::vector<std::size_t>& running) {
+  hooks::CaptureOptions o = capture_options(c, space, max_len);
   const hooks::TokenPolicy policy = o.tokens;
-  o.every = c.every;
-  o.logits_topk = parse_topk(c.logits);
-  o.capture_dtype = parse_capture_dtype(c.capture_dtype);
-  o.max_len = max_len;
   const bool prompt_rows = o.tokens != hooks::TokenPolicy::generated;
   const bool generated_rows = o.tokens == hooks::TokenPolicy::all || o.tokens == hooks::TokenPolicy::generated;
   point_ = std::make_unique<hooks::CapturePoint>(std::move(o), cfg, model_dtype);
@@ -148,14 +148,17 @@ CaptureRun::CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, const
   // The sites' streams, then the token log's.
   std::vector<sink::StreamInfo> streams = point_->streams();
   const std::int64_t max_new = int_info(info, "max_new_tokens");
-  const std::int64_t site_rows = expected_rows(policy, c.every, false, info.prompt_ids, max_len, max_new);
+  std::vector<std::vector<std::int32_t>> sized;  // the prompts that run
+  for (std::size_t i : running) sized.push_back(info.prompt_ids.at(i));
+  const auto& rows_of = running.empty() ? info.prompt_ids : sized;
+  const std::int64_t site_rows = expected_rows(policy, c.every, false, rows_of, max_len, max_new);
   for (auto& st : streams) st.expected_rows = site_rows;
   token_stream_ = static_cast<std::uint16_t>(streams.size());
   sink::StreamInfo log;
   log.name = "token_log";
   log.dtype = at::kInt;
   log.layout = sink::Layout::token_log;
-  log.expected_rows = expected_rows(policy, c.every, true, info.prompt_ids, max_len, max_new);
+  log.expected_rows = expected_rows(policy, c.every, true, info.prompt_ids, max_len, max_new);  // all prompts are logged
   streams.push_back(log);
   sink_->open(streams);
   const std::size_t n = streams.size();

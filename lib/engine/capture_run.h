@@ -50,6 +50,20 @@ void validate_capture_config(const CaptureConfig& c);
 // the file does not exist unless c.overwrite. Errors name the path.
 void check_output_path(const CaptureConfig& c);
 
+// The HookPoint's options for a capture config (checked; errors name the
+// flag): selection, token policy, --every, logits, capture dtype.
+hooks::CaptureOptions capture_options(const CaptureConfig& c, const hooks::SiteSpace& space, std::int64_t max_len);
+
+// At most how many rows each site gets (sink::StreamInfo::expected_rows);
+// with token_log, the token log's rows. Sequence i has its prompt's p_i
+// tokens and at most min(max_new, width - p_i) generated ones; the last is
+// never fed back (no rows), and of the others every `every`-th is captured.
+// 0 when the prompts are not known; max_new 0 when unknown (width alone
+// bounds it).
+std::int64_t expected_rows(hooks::TokenPolicy policy, std::int64_t every, bool token_log,
+                           const std::vector<std::vector<std::int32_t>>& prompts, std::int64_t width,
+                           std::int64_t max_new);
+
 struct CaptureResult {
   ring::RingStats stats;
   std::string status;
@@ -58,10 +72,12 @@ struct CaptureResult {
 class CaptureRun {
  public:
   // Creates the file (hdf5 sink) and starts the writer thread. tokenizer:
-  // for monitors' marker spans (may be null).
+  // for monitors' marker spans (may be null). running: the prompts that
+  // will run (a shard's, a replay's; empty: all), which bound the rows and
+  // so the chunks of a small capture.
   CaptureRun(const CaptureConfig& c, const io::ModelConfig& cfg, const hooks::SiteSpace& space,
              at::ScalarType model_dtype, std::int64_t max_len, const sink::RunInfo& info,
-             const io::Tokenizer* tokenizer = nullptr);
+             const io::Tokenizer* tokenizer = nullptr, const std::vector<std::size_t>& running = {});
   ~CaptureRun();
   hooks::Observer* observer() { return point_.get(); }
   // Adds tokens chosen at a decode step to the file's token log (through the

@@ -150,12 +150,19 @@ RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const st
   opts.sampling = s.sampling;
   if (!s.ignore_eos) opts.eos_ids = cfg.eos_token_ids;
   opts.stop = stop;
+  // The prompts that run: those in job.batches when it is given (a shard,
+  // a replay of some sequences), otherwise all.
+  std::vector<std::size_t> running;
+  for (const auto& b : job.batches) running.insert(running.end(), b.begin(), b.end());
+  if (job.batches.empty())
+    for (std::size_t i = 0; i < job.prompts.size(); ++i) running.push_back(i);
   if (progress) {
-    progress->total = job.prompts.size();
+    progress->total = running.size();
     std::int64_t expected = 0;
-    for (const auto& p : job.prompts)
+    for (std::size_t i : running)
       expected += std::max<std::int64_t>(
-          0, std::min<std::int64_t>(s.max_new_tokens, cfg.max_position_embeddings - static_cast<std::int64_t>(p.size())));
+          0, std::min<std::int64_t>(s.max_new_tokens,
+                                    cfg.max_position_embeddings - static_cast<std::int64_t>(job.prompts.at(i).size())));
     progress->expected_tokens = expected;
     opts.on_progress = [progress](std::size_t done, std::size_t) { progress->done = done; };
   }
@@ -178,7 +185,7 @@ RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const st
     info.prompt_ids = job.prompts;
     const at::ScalarType dtype = s.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
     capture = std::make_unique<CaptureRun>(s.capture, cfg, m.model->site_space(), dtype, width, info,
-                                           m.tokenizer.get());
+                                           m.tokenizer.get(), running);
     opts.on_tokens = [c = capture.get()](std::int32_t step, const std::vector<std::int32_t>& seq,
                                          const std::vector<std::int32_t>& pos, const std::vector<std::int32_t>& ids) {
       c->log_tokens(step, seq, pos, ids);

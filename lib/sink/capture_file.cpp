@@ -9,60 +9,16 @@
 #include <numeric>
 
 #include "common/error.h"
+#include "sink/h5util.h"
 #include "sink/hdf5_sink.h"
 #include "sink/liveness.h"
+#include "sink/merge.h"
 
 namespace dmi::sink {
 
 namespace {
 
-// Closes an HDF5 handle at scope exit.
-struct H5Handle {
-  hid_t id;
-  herr_t (*close)(hid_t);
-  ~H5Handle() {
-    if (id >= 0) close(id);
-  }
-};
-
-std::string read_text_attr(hid_t loc, const std::string& name) {
-  if (H5Aexists(loc, name.c_str()) <= 0) return "";
-  H5Handle a{H5Aopen(loc, name.c_str(), H5P_DEFAULT), H5Aclose};
-  H5Handle t{H5Aget_type(a.id), H5Tclose};
-  if (H5Tget_class(t.id) != H5T_STRING) return "";
-  if (H5Tis_variable_str(t.id) > 0) {
-    H5Handle mt{H5Tcopy(H5T_C_S1), H5Tclose};
-    H5Tset_size(mt.id, H5T_VARIABLE);
-    H5Tset_cset(mt.id, H5Tget_cset(t.id));
-    char* p = nullptr;
-    if (H5Aread(a.id, mt.id, &p) < 0 || !p) return "";
-    std::string s(p);
-    H5free_memory(p);
-    return s;
-  }
-  std::string s(H5Tget_size(t.id), '\0');
-  H5Aread(a.id, t.id, s.data());
-  return s.substr(0, s.find('\0'));
-}
-
-std::optional<std::int64_t> read_int_attr(hid_t loc, const std::string& name) {
-  if (H5Aexists(loc, name.c_str()) <= 0) return std::nullopt;
-  H5Handle a{H5Aopen(loc, name.c_str(), H5P_DEFAULT), H5Aclose};
-  H5Handle t{H5Aget_type(a.id), H5Tclose};
-  H5Handle s{H5Aget_space(a.id), H5Sclose};
-  if (H5Tget_class(t.id) != H5T_INTEGER || H5Sget_simple_extent_npoints(s.id) != 1) return std::nullopt;
-  std::int64_t v = 0;
-  if (H5Aread(a.id, H5T_NATIVE_INT64, &v) < 0) return std::nullopt;
-  return v;
-}
-
-std::vector<hsize_t> dims_of(hid_t dset) {
-  H5Handle s{H5Dget_space(dset), H5Sclose};
-  int rank = H5Sget_simple_extent_ndims(s.id);
-  std::vector<hsize_t> d(std::max(rank, 0));
-  H5Sget_simple_extent_dims(s.id, d.data(), nullptr);
-  return d;
-}
+using namespace h5;
 
 template <typename T>
 std::vector<T> read_all(hid_t loc, const std::string& name, hid_t mem_type, const std::string& path) {
@@ -145,6 +101,9 @@ std::unique_ptr<CaptureFile> CaptureFile::open(const std::string& path) {
             path, version ? std::to_string(*version) : "missing", kOldestReadableFormatVersion, kCaptureFormatVersion);
   f->format_version_ = static_cast<int>(*version);
   f->status_ = read_text_attr(file, "status");
+  // A merged capture (dmi-inspect merge) reads its rows from its shards:
+  // refuse it when one is gone rather than read HDF5's fill values.
+  if (const std::string merged = read_text_attr(file, "merged"); !merged.empty()) check_merged_sources(path, merged);
   if (f->status_ == "running" && writer_alive(read_text_attr(file, "writer")) == false) f->status_ = "killed";
 
   const bool closed = H5Lexists(file, "sequences", H5P_DEFAULT) > 0 &&
@@ -240,6 +199,10 @@ std::unique_ptr<CaptureFile> CaptureFile::open(const std::string& path) {
       for (const char* ds : {"data", "seq", "pos", "ids"}) {
         if (H5Lexists(g.id, ds, H5P_DEFAULT) <= 0) continue;
         H5Handle x{H5Dopen2(g.id, ds, H5P_DEFAULT), H5Dclose};
+        H5Handle dcpl{H5Dget_create_plist(x.id), H5Pclose};
+        // A virtual dataset (a merged capture) stores nothing itself: its
+        // rows are in the shard files.
+        if (H5Pget_layout(dcpl.id) == H5D_VIRTUAL) e.virtual_rows = true;
         e.stored_bytes += H5Dget_storage_size(x.id);
         if (std::string(ds) == "ids" && e.layout == "topk") e.raw_bytes += 4ull * e.rows * e.row_shape.back();
       }

@@ -27,6 +27,7 @@ struct SiteEntry {
   std::uint64_t stored_bytes = 0, raw_bytes = 0;
   std::int64_t records_dropped = 0;
   std::int64_t index = 0;  // position in forward order
+  bool virtual_rows = false;  // rows mapped from other files (a merged capture; stored_bytes 0)
 };
 
 class CaptureFile {

@@ -16,12 +16,59 @@
 
 #include "common/error.h"
 #include "sink/capture_file.h"
+#include "sink/h5util.h"
 #include "sink/liveness.h"
 #include "sink/result_file.h"
 
 namespace dmi::sink {
 
+namespace h5 {
+
+void write_sequences(hid_t file, const std::vector<SequenceInfo>& seqs, const std::string& path) {
+  hid_t g = H5Lexists(file, "sequences", H5P_DEFAULT) > 0
+                ? H5Gopen2(file, "sequences", H5P_DEFAULT)
+                : H5Gcreate2(file, "sequences", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+  DMI_CHECK(g >= 0, "{}: cannot create /sequences", path);
+  for (const char* name : {"tokens", "offsets", "prompt_lengths", "prompt_text", "generated_text", "finish_reason",
+                           "batch", "row", "left_pad"})
+    if (H5Lexists(g, name, H5P_DEFAULT) > 0) H5Ldelete(g, name, H5P_DEFAULT);
+  std::vector<std::int32_t> tokens, prompt_lengths, batch, row, left_pad;
+  std::vector<std::int64_t> offsets{0};
+  std::vector<std::string> prompts, texts, reasons;
+  for (const auto& s : seqs) {
+    tokens.insert(tokens.end(), s.prompt_ids.begin(), s.prompt_ids.end());
+    tokens.insert(tokens.end(), s.output_ids.begin(), s.output_ids.end());
+    offsets.push_back(static_cast<std::int64_t>(tokens.size()));
+    prompt_lengths.push_back(static_cast<std::int32_t>(s.prompt_ids.size()));
+    prompts.push_back(s.prompt);
+    texts.push_back(s.text);
+    reasons.push_back(s.finish_reason);
+    batch.push_back(s.batch);
+    row.push_back(s.row);
+    left_pad.push_back(s.left_pad);
+  }
+  try {
+    write_vector(g, "tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, tokens);
+    write_vector(g, "offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, offsets);
+    write_vector(g, "prompt_lengths", H5T_STD_I32LE, H5T_NATIVE_INT32, prompt_lengths);
+    write_strings(g, "prompt_text", prompts);
+    write_strings(g, "generated_text", texts);
+    write_strings(g, "finish_reason", reasons);
+    write_vector(g, "batch", H5T_STD_I32LE, H5T_NATIVE_INT32, batch);
+    write_vector(g, "row", H5T_STD_I32LE, H5T_NATIVE_INT32, row);
+    write_vector(g, "left_pad", H5T_STD_I32LE, H5T_NATIVE_INT32, left_pad);
+  } catch (...) {
+    H5Gclose(g);
+    throw;
+  }
+  H5Gclose(g);
+}
+
+}  // namespace h5
+
 namespace {
+
+using namespace h5;
 
 struct Compression {
   int gzip = 0;
@@ -64,77 +111,6 @@ hid_t h5_type(at::ScalarType t) {
     case at::kInt: return H5Tcopy(H5T_STD_I32LE);
     default: DMI_FAIL("capture dtype {} has no HDF5 type", c10::toString(t));
   }
-}
-
-#define H5_CHECK(expr, ...)                         \
-  do {                                              \
-    if ((expr) < 0) DMI_FAIL(__VA_ARGS__);          \
-  } while (0)
-
-void set_attr_text(hid_t loc, const std::string& name, const std::string& value) {
-  if (H5Aexists(loc, name.c_str()) > 0) H5Adelete(loc, name.c_str());
-  hid_t type = H5Tcopy(H5T_C_S1);
-  H5Tset_size(type, H5T_VARIABLE);
-  H5Tset_cset(type, H5T_CSET_UTF8);
-  hid_t space = H5Screate(H5S_SCALAR);
-  hid_t a = H5Acreate2(loc, name.c_str(), type, space, H5P_DEFAULT, H5P_DEFAULT);
-  const char* p = value.c_str();
-  herr_t rc = a < 0 ? -1 : H5Awrite(a, type, &p);
-  if (a >= 0) H5Aclose(a);
-  H5Sclose(space);
-  H5Tclose(type);
-  H5_CHECK(rc, "cannot write attribute '{}' to the capture file", name);
-}
-
-void set_attr_int(hid_t loc, const std::string& name, std::int64_t value) {
-  if (H5Aexists(loc, name.c_str()) > 0) H5Adelete(loc, name.c_str());
-  hid_t space = H5Screate(H5S_SCALAR);
-  hid_t a = H5Acreate2(loc, name.c_str(), H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT);
-  herr_t rc = a < 0 ? -1 : H5Awrite(a, H5T_NATIVE_INT64, &value);
-  if (a >= 0) H5Aclose(a);
-  H5Sclose(space);
-  H5_CHECK(rc, "cannot write attribute '{}' to the capture file", name);
-}
-
-void set_attr_ints(hid_t loc, const std::string& name, const std::vector<std::int64_t>& v) {
-  if (H5Aexists(loc, name.c_str()) > 0) H5Adelete(loc, name.c_str());
-  hsize_t n = v.size();
-  hid_t space = H5Screate_simple(1, &n, nullptr);
-  hid_t a = H5Acreate2(loc, name.c_str(), H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT);
-  herr_t rc = a < 0 ? -1 : H5Awrite(a, H5T_NATIVE_INT64, v.data());
-  if (a >= 0) H5Aclose(a);
-  H5Sclose(space);
-  H5_CHECK(rc, "cannot write attribute '{}' to the capture file", name);
-}
-
-// A 1-D dataset written in one go.
-template <typename T>
-void write_vector(hid_t loc, const std::string& name, hid_t file_type, hid_t mem_type, const std::vector<T>& v) {
-  hsize_t n = v.size();
-  hid_t space = H5Screate_simple(1, &n, nullptr);
-  hid_t d = H5Dcreate2(loc, name.c_str(), file_type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-  herr_t rc = d < 0 ? -1 : (n ? H5Dwrite(d, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) : 0);
-  if (d >= 0) H5Dclose(d);
-  H5Sclose(space);
-  H5_CHECK(rc, "cannot write dataset '{}' to the capture file", name);
-}
-
-void write_strings(hid_t loc, const std::string& name, const std::vector<std::string>& v) {
-  hid_t type = H5Tcopy(H5T_C_S1);
-  H5Tset_size(type, H5T_VARIABLE);
-  H5Tset_cset(type, H5T_CSET_UTF8);
-  std::vector<const char*> ptrs;
-  for (const auto& s : v) ptrs.push_back(s.c_str());
-  write_vector(loc, name, type, type, ptrs);
-  H5Tclose(type);
-}
-
-// The file access properties of every capture: the latest format (HDF5
-// 1.10), which SWMR writing and reading need.
-hid_t latest_fapl() {
-  hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
-  H5Pset_libver_bounds(fapl, H5F_LIBVER_LATEST, H5F_LIBVER_LATEST);
-  return fapl;
 }
 
 // A write the file system refused (typically: disk full).
@@ -311,56 +287,6 @@ struct Stream {
   }
 };
 
-// /sequences: what each prompt became (written at close, or by recovery).
-// Datasets already there (the prompts, written at creation) are replaced.
-void write_sequences(hid_t file, const std::vector<SequenceInfo>& seqs, const std::string& path) {
-  hid_t g = H5Lexists(file, "sequences", H5P_DEFAULT) > 0
-                ? H5Gopen2(file, "sequences", H5P_DEFAULT)
-                : H5Gcreate2(file, "sequences", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-  DMI_CHECK(g >= 0, "{}: cannot create /sequences", path);
-  for (const char* name : {"tokens", "offsets", "prompt_lengths", "prompt_text", "generated_text", "finish_reason",
-                           "batch", "row", "left_pad"})
-    if (H5Lexists(g, name, H5P_DEFAULT) > 0) H5Ldelete(g, name, H5P_DEFAULT);
-  std::vector<std::int32_t> tokens, prompt_lengths, batch, row, left_pad;
-  std::vector<std::int64_t> offsets{0};
-  std::vector<std::string> prompts, texts, reasons;
-  for (const auto& s : seqs) {
-    tokens.insert(tokens.end(), s.prompt_ids.begin(), s.prompt_ids.end());
-    tokens.insert(tokens.end(), s.output_ids.begin(), s.output_ids.end());
-    offsets.push_back(static_cast<std::int64_t>(tokens.size()));
-    prompt_lengths.push_back(static_cast<std::int32_t>(s.prompt_ids.size()));
-    prompts.push_back(s.prompt);
-    texts.push_back(s.text);
-    reasons.push_back(s.finish_reason);
-    batch.push_back(s.batch);
-    row.push_back(s.row);
-    left_pad.push_back(s.left_pad);
-  }
-  try {
-    write_vector(g, "tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, tokens);
-    write_vector(g, "offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, offsets);
-    write_vector(g, "prompt_lengths", H5T_STD_I32LE, H5T_NATIVE_INT32, prompt_lengths);
-    write_strings(g, "prompt_text", prompts);
-    write_strings(g, "generated_text", texts);
-    write_strings(g, "finish_reason", reasons);
-    write_vector(g, "batch", H5T_STD_I32LE, H5T_NATIVE_INT32, batch);
-    write_vector(g, "row", H5T_STD_I32LE, H5T_NATIVE_INT32, row);
-    write_vector(g, "left_pad", H5T_STD_I32LE, H5T_NATIVE_INT32, left_pad);
-  } catch (...) {
-    H5Gclose(g);
-    throw;
-  }
-  H5Gclose(g);
-}
-
-std::vector<hsize_t> extent_of(hid_t d) {
-  hid_t s = H5Dget_space(d);
-  std::vector<hsize_t> dims(std::max(H5Sget_simple_extent_ndims(s), 0));
-  H5Sget_simple_extent_dims(s, dims.data(), nullptr);
-  H5Sclose(s);
-  return dims;
-}
-
 // Every table of a site ends with the same rows: those all of them hold
 // (after a full disk or a kill they can differ by the last chunk). Returns
 // the rows kept per site name.
@@ -380,7 +306,7 @@ std::vector<std::pair<std::string, std::int64_t>> align_site_rows(hid_t file) {
     std::vector<std::vector<hsize_t>> dims(ds.size());
     hsize_t rows = ds.empty() ? 0 : std::numeric_limits<hsize_t>::max();
     for (std::size_t k = 0; k < ds.size(); ++k) {
-      if (ds[k] >= 0) dims[k] = extent_of(ds[k]);
+      if (ds[k] >= 0) dims[k] = dims_of(ds[k]);
       rows = std::min<hsize_t>(rows, dims[k].empty() ? 0 : dims[k][0]);
     }
     for (std::size_t k = 0; k < ds.size(); ++k) {

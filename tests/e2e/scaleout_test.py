@@ -14,6 +14,9 @@ import tempfile
 import h5py
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from capture_util import compare_captures  # noqa: E402
+
 bin_dir, models, case = sys.argv[1], sys.argv[2], sys.argv[3]
 MODEL = os.path.join(models, "qwen3-untied-f32")
 OTHER = os.path.join(models, "llama-gqa-f32")
@@ -61,59 +64,6 @@ def shards(directory, count, batch=1, **kw):
     return [os.path.join(directory, f"part-{k}-of-{count}.h5") for k in range(count)]
 
 
-def rows(path):
-    """{site: {(seq, pos): (data row, ids row or None)}} read with h5py."""
-    out = {}
-    with h5py.File(path, "r") as f:
-        for site, g in f["sites"].items():
-            data, seq, pos = g["data"][:], g["seq"][:], g["pos"][:]
-            ids = g["ids"][:] if "ids" in g else None
-            out[site] = {(int(s), int(p)): (data[i], None if ids is None else ids[i])
-                         for i, (s, p) in enumerate(zip(seq, pos))}
-    return out
-
-
-def sequences(path):
-    with h5py.File(path, "r") as f:
-        g = f["sequences"]
-        return {k: g[k][:] for k in ("tokens", "offsets", "prompt_lengths", "prompt_text", "generated_text",
-                                     "finish_reason")}
-
-
-def compare(a_path, b_path, bitwise=True, rtol=1e-5):
-    """The same sites, (seq, pos) rows and tokens; values bit-identical or
-    within rtol of the largest magnitude. Returns (rows, max relative error)."""
-    a, b = rows(a_path), rows(b_path)
-    if a.keys() != b.keys():
-        fail(f"{a_path} and {b_path} have different sites: {sorted(a)} vs {sorted(b)}")
-    n, worst = 0, 0.0
-    for site in a:
-        if a[site].keys() != b[site].keys():
-            fail(f"{site}: rows differ: {sorted(set(a[site]) ^ set(b[site]))[:5]}")
-        for key, (x, xi) in a[site].items():
-            y, yi = b[site][key]
-            if xi is not None and not np.array_equal(xi, yi):
-                fail(f"{site} {key}: top-k ids differ")
-            if bitwise:
-                if x.tobytes() != y.tobytes():
-                    fail(f"{site} {key}: values differ ({a_path} vs {b_path})")
-            else:
-                fin = np.isfinite(y)
-                if not np.array_equal(np.isfinite(x), fin) or not np.array_equal(x[~fin], y[~fin]):
-                    fail(f"{site} {key}: inf/nan pattern differs")
-                scale = max(float(np.abs(y[fin]).max()) if fin.any() else 0.0, 1e-30)
-                err = float(np.abs(x[fin] - y[fin]).max() / scale) if fin.any() else 0.0
-                worst = max(worst, err)
-                if err > rtol:
-                    fail(f"{site} {key}: relative error {err:.3g} > {rtol}")
-            n += 1
-    sa, sb = sequences(a_path), sequences(b_path)
-    for k in sa:
-        if not np.array_equal(sa[k], sb[k]):
-            fail(f"/sequences/{k} differs between {a_path} and {b_path}")
-    return n, worst
-
-
 if case == "merge":
     single = os.path.join(tmp, "single.h5")
     run(single)
@@ -136,8 +86,8 @@ if case == "merge":
     if json.loads(r.stdout)["shards"] != 4:
         fail(f"merge --json: {r.stdout}")
     tool("dmi-inspect", "merge", "--copy", copied, *parts)
-    n, _ = compare(merged, single)
-    compare(copied, single)
+    n, _ = compare_captures(merged, single)
+    compare_captures(copied, single)
     print(f"ok: merged (virtual) and copied captures of 4 shards equal the single capture bit for bit ({n} rows)")
     with h5py.File(merged, "r") as f, h5py.File(copied, "r") as g:
         if not f["sites/blocks.0.hook_resid_post/data"].is_virtual or g["sites/blocks.0.hook_resid_post/data"].is_virtual:
@@ -167,11 +117,11 @@ if case == "merge":
     moved = os.path.join(tmp, "moved")
     shutil.copytree(out_dir, os.path.join(moved, "out"))
     shutil.copytree(os.path.join(tmp, "parts"), os.path.join(moved, "parts"))
-    compare(os.path.join(moved, "out", "merged.h5"), single)
+    compare_captures(os.path.join(moved, "out", "merged.h5"), single)
     print("ok: h5py reads it from another directory; moved together with its shards it still reads")
     os.remove(os.path.join(moved, "parts", "part-2-of-4.h5"))
     bad("dmi-inspect", os.path.join(moved, "out", "merged.h5"), "summary", want="part-2-of-4.h5")
-    compare(copied, single)
+    compare_captures(copied, single)
     print("ok: a missing shard file is an error naming it; the --copy capture needs none")
 
 elif case == "batched":
@@ -180,7 +130,7 @@ elif case == "batched":
     parts = shards(os.path.join(tmp, "parts"), 4, batch=3)
     merged = os.path.join(tmp, "merged.h5")
     tool("dmi-inspect", "merge", merged, *parts)
-    n, worst = compare(merged, single, bitwise=False, rtol=1e-5)
+    n, worst = compare_captures(merged, single, bitwise=False, rtol=1e-5)
     print(f"ok: batch size 3, 4 shards vs one process: {n} rows, max relative error {worst:.3g} (bound 1e-5)")
 
 elif case == "bad-input":

@@ -171,7 +171,7 @@ int plan(const Args& a, const dmi::engine::RunSettings& s,
   in.prompts = job.prompts;
   for (const auto& t : job.prompt_texts) in.prompt_text_bytes.push_back(t.size());
   in.batches = job.batches;
-  in.read_bandwidth_gbs = engine::measure_read_bandwidth_gbs();
+  in.read_bandwidth_gbs = engine::measure_read_bandwidth_gbs(std::size_t{256} << 20);  // ~0.5 s
   const engine::Plan p = engine::make_plan(in);
   if (a.json) {
     nlohmann::json j = engine::plan_json(p);

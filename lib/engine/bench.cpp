@@ -64,8 +64,8 @@ std::optional<std::pair<double, double>> median_ci95(std::vector<double> v) {
   return std::make_pair(v[k - 1], v[n - k]);
 }
 
-double measure_read_bandwidth_gbs() {
-  at::Tensor buf = at::ones({256ll << 20}, at::kFloat);  // 1 GiB
+double measure_read_bandwidth_gbs(std::size_t bytes) {
+  at::Tensor buf = at::ones({static_cast<std::int64_t>(bytes / 4)}, at::kFloat);
   double best = 0;
   for (int i = 0; i < 4; ++i) {
     double t0 = now();

@@ -62,7 +62,8 @@ void validate_bench_config(const BenchConfig& cfg);
 std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
                                 const std::function<void(std::size_t, std::size_t, const BenchRun&)>& progress);
 
-// Best of a few passes summing a large buffer, in GB/s.
-double measure_read_bandwidth_gbs();
+// Best of a few passes summing a buffer of `bytes` (far larger than any
+// cache), in GB/s.
+double measure_read_bandwidth_gbs(std::size_t bytes = std::size_t{1} << 30);
 
 }  // namespace dmi::engine

@@ -222,7 +222,7 @@ std::string plan_text(const Plan& p) {
                      bytes_text(static_cast<double>(p.sequence_bytes)), bytes_text(static_cast<double>(p.metadata_bytes)),
                      p.max_tokens ? static_cast<double>(p.data_bytes) / static_cast<double>(p.max_tokens) : 0.0);
   if (p.read_bandwidth_gbs > 0)
-    out += fmt::format("decode floor {:.2f} ms/step (weights {} at {:.1f} GB/s): at most {:.0f} records/s and {}/s "
+    out += fmt::format("decode floor {:.3g} ms/step (weights {} at {:.1f} GB/s): at most {:.0f} records/s and {}/s "
                        "of site rows while decoding\n",
                        p.floor_ms, bytes_text(static_cast<double>(p.weight_bytes)), p.read_bandwidth_gbs,
                        p.records_per_second, bytes_text(p.bytes_per_second));

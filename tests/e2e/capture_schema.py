@@ -77,12 +77,17 @@ runs = [(ts_model, ["--hooks", "resid_post,pattern,logits", "--logits", "topk:3"
 runs += [(None, ["--replay", os.path.join(tmp, "llama.pt.h5"), "--verify"]),
          (None, ["--replay", os.path.join(tmp, "qwen3-qknorm-bf16-misaligned.h5"), "--replay-mode", "forced",
                  "--hooks", "full,kv", "--verify"])]
+# Shards (dmi-run --shard) and their merges, virtual and copied.
+for k in range(2):
+    runs.append(("llama-gqa-f32", ["--hooks", "resid_post,logits", "--logits", "topk:3", "--shard", f"{k}/2"]))
+merge_runs = {"merged-virtual.h5": [], "merged-copy.h5": ["--copy"]}
 for i, (model, extra) in enumerate(runs):
     if model is None:
         out = os.path.join(tmp, f"replay-{i}.h5")
         args = [dmi_run, "-q", "-o", out] + extra
     else:
-        out = os.path.join(tmp, os.path.basename(model) + ".h5")
+        out = os.path.join(tmp, os.path.basename(model) + ("-" + extra[-1].replace("/", "-") if "--shard" in extra
+                                                          else "") + ".h5")
         args = [dmi_run, "-q", "--model", os.path.join(models, model), "--prompt", "LOVE, n.", "--prompt", "WAR",
                 "-b", "2", "-n", "4", "-o", out] + extra
     r = subprocess.run(args, capture_output=True, text=True)
@@ -115,4 +120,16 @@ for i, (model, extra) in enumerate(runs):
         if model is None and json.loads(f.attrs["replay_of"])["mode"] not in ("exact", "forced"):
             sys.exit("FAIL: replay_of")
     print(f"{os.path.basename(model or 'replay')} {' '.join(extra)}: valid ({len(doc['sites'])} sites)")
+inspect = os.path.join(os.path.dirname(dmi_run), "dmi-inspect")
+for name, flags in merge_runs.items():
+    out = os.path.join(tmp, name)
+    r = subprocess.run([inspect, "merge", out, os.path.join(tmp, "llama-gqa-f32-0-2.h5"),
+                        os.path.join(tmp, "llama-gqa-f32-1-2.h5"), *flags], capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"FAIL: dmi-inspect merge {flags}: {r.stderr}")
+    with h5py.File(out, "r") as f:
+        jsonschema.validate(describe(f), schema)
+        if json.loads(f.attrs["merged"])["count"] != 2 or "shard" in f.attrs:
+            sys.exit("FAIL: merged attribute")
+    print(f"{name}: valid")
 print("ok")

@@ -104,6 +104,7 @@ std::unique_ptr<CaptureFile> CaptureFile::open(const std::string& path) {
   // A merged capture (dmi-inspect merge) reads its rows from its shards:
   // refuse it when one is gone rather than read HDF5's fill values.
   if (const std::string merged = read_text_attr(file, "merged"); !merged.empty()) check_merged_sources(path, merged);
+  if (const std::string shard = read_text_attr(file, "shard"); !shard.empty()) check_shard_record(path, shard);
   if (f->status_ == "running" && writer_alive(read_text_attr(file, "writer")) == false) f->status_ = "killed";
 
   const bool closed = H5Lexists(file, "sequences", H5P_DEFAULT) > 0 &&

@@ -470,12 +470,28 @@ MergeResult merge_captures(const MergeOptions& o) {
   return res;
 }
 
+void check_shard_record(const std::string& path, const std::string& shard_json) {
+  const json j = json::parse(shard_json, nullptr, false);
+  bool ok = j.is_object();
+  for (const char* k : {"index", "count", "begin", "end", "sequences"})
+    ok = ok && j.contains(k) && j[k].is_number_integer() && j[k].get<std::int64_t>() >= 0;
+  DMI_CHECK(ok, "{}: its 'shard' attribute is not a shard record (index, count, begin, end, sequences): corrupt "
+            "shard", path);
+}
+
 void check_merged_sources(const std::string& path, const std::string& merged_json) {
   const json j = json::parse(merged_json, nullptr, false);
-  DMI_CHECK(j.is_object(), "{}: its 'merged' attribute is not JSON: corrupt merged capture", path);
-  if (j.value("mode", std::string()) != "virtual") return;
-  for (const auto& s : j.value("shards", json::array())) {
-    const std::string stored = s.value("file", std::string());
+  bool ok = j.is_object() && j.contains("mode") && j["mode"].is_string() && j.contains("count") &&
+            j["count"].is_number_integer() && j.contains("shards") && j["shards"].is_array() &&
+            j.contains("missing") && j["missing"].is_array();
+  for (const auto& s : ok ? j["shards"] : json::array())
+    ok = ok && s.is_object() && s.contains("file") && s["file"].is_string() && s.contains("index") &&
+         s["index"].is_number_integer() && s.contains("bytes") && s["bytes"].is_number_unsigned();
+  DMI_CHECK(ok, "{}: its 'merged' attribute is not a merge record (mode, count, shards with file, index and bytes, "
+            "missing): corrupt merged capture", path);
+  if (j["mode"].get<std::string>() != "virtual") return;
+  for (const auto& s : j["shards"]) {
+    const std::string stored = s["file"].get<std::string>();
     const std::string file = resolve(stored, path);
     struct stat st {};
     DMI_CHECK(::stat(file.c_str(), &st) == 0,

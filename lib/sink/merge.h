@@ -33,7 +33,12 @@ struct MergeResult {
 // when done). Errors name the file and what differs.
 MergeResult merge_captures(const MergeOptions& o);
 
-// For a merged capture with virtual datasets: the shard files it reads,
+// A shard's "shard" attribute holds its record (non-negative integers index,
+// count, begin, end, sequences); throws naming the file otherwise.
+void check_shard_record(const std::string& path, const std::string& shard_json);
+
+// A merged capture's "merged" attribute is a merge record (mode, count,
+// shards with file, index and bytes, missing); for one with virtual datasets: the shard files it reads,
 // resolved against its directory, with the size each had at the merge.
 // Throws naming the first one that is missing or changed.
 void check_merged_sources(const std::string& path, const std::string& merged_json);

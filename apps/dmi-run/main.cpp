@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <fmt/ranges.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -13,7 +12,6 @@
 #include <cstdlib>
 #include <iostream>
 #include <nlohmann/json.hpp>
-#include <numeric>
 #include <functional>
 #include <optional>
 #include <set>
@@ -28,7 +26,6 @@
 #include "engine/shard.h"
 #include "engine/plan.h"
 #include "engine/bench.h"
-#include "io/config.h"
 #include "io/tokenizer.h"
 #include "sink/capture_file.h"
 #include "model/causal_lm.h"
@@ -147,24 +144,14 @@ void report(const Args& a, const std::string& model_path, const std::string& arc
 int plan(const Args& a, const dmi::engine::RunSettings& s,
          const std::function<void(const dmi::io::Tokenizer&, dmi::engine::Job&)>& tokenize) {
   using namespace dmi;
-  engine::PlanInput in;
-  struct stat st {};
-  const bool torchscript = ::stat(s.model_path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-  in.model_dtype = s.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  engine::PlanModel pm = engine::load_plan_model(s);
   engine::Job job;
-  if (torchscript) {
-    engine::LoadedModel m = engine::load_for_run(s, false);
-    in.cfg = m.model->config();
-    in.space = m.model->site_space();
-    in.weight_bytes = m.model->weight_bytes();
-    tokenize(*m.tokenizer, job);
-  } else {
-    in.cfg = io::load_config(s.model_path + "/config.json");
-    in.space = {static_cast<int>(in.cfg.num_layers), in.cfg.qk_norm, {}};
-    tokenize(io::Tokenizer::load(s.tokenizer_path.empty() ? model::default_tokenizer_path(s.model_path)
-                                                          : s.tokenizer_path),
-             job);
-  }
+  tokenize(*pm.tokenizer, job);
+  engine::PlanInput in;
+  in.cfg = pm.cfg;
+  in.space = pm.space;
+  in.weight_bytes = pm.weight_bytes;
+  in.model_dtype = s.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
   in.capture = s.capture;
   in.max_new_tokens = s.max_new_tokens;
   in.batch_size = s.batch_size;
@@ -247,17 +234,14 @@ int run(const Args& a) {
     if (!shard) return;
     // Only this shard's prompts run; the others stay in the file as
     // "skipped", so sequence ids are the same in every shard.
-    std::vector<std::int64_t> weights;
-    for (const auto& p : job.prompts) weights.push_back(static_cast<std::int64_t>(p.size()) + s.max_new_tokens);
-    const auto ranges = engine::split_shards(weights, shard->count);
-    const auto& r = ranges[static_cast<std::size_t>(shard->index)];
-    job.batches = engine::shard_batches(r, s.batch_size);
-    job.extra_attributes.emplace_back("shard", engine::shard_record(*shard, ranges, job.prompts.size()));
+    const engine::ShardPlan sp = engine::plan_shard(*shard, job.prompts, s.max_new_tokens, s.batch_size);
+    job.batches = sp.batches;
+    job.extra_attributes.emplace_back("shard", sp.record);
     if (!a.quiet)
       std::fprintf(stderr, "dmi-run: shard %lld of %lld (%s): prompts %zu..%zu of %zu, %lld of %lld tokens\n",
                    static_cast<long long>(shard->index), static_cast<long long>(shard->count), shard->source.c_str(),
-                   r.begin, r.end, job.prompts.size(), static_cast<long long>(r.weight),
-                   static_cast<long long>(std::accumulate(weights.begin(), weights.end(), std::int64_t{0})));
+                   sp.range.begin, sp.range.end, job.prompts.size(), static_cast<long long>(sp.range.weight),
+                   static_cast<long long>(sp.weight_total));
   };
   if (a.plan) return plan(a, s, tokenize);
 
@@ -586,6 +570,11 @@ int main(int argc, char** argv) {
   if (!replaying && (a.verify || a.allow_mismatch || !a.seqs.empty() || a.atol_flag->count() || a.rtol_flag->count())) {
     std::fprintf(stderr, "dmi-run: error: --verify, --allow-mismatch, --seq, --atol and --rtol need --replay FILE "
                          "(see --help)\n");
+    return 2;
+  }
+  if (replaying && a.plan) {
+    std::fprintf(stderr, "dmi-run: error: --plan does not apply to --replay (the source's summary shows what it "
+                         "holds: dmi-inspect FILE summary)\n");
     return 2;
   }
   if (replaying && (!a.capture.monitors.empty() || !a.capture.monitor_log.empty())) {

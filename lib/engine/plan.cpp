@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <map>
 
+#include <sys/stat.h>
+
 #include "common/error.h"
 #include "hooks/capture.h"
 
@@ -56,6 +58,24 @@ std::size_t estimate_weight_bytes(const io::ModelConfig& c, at::ScalarType dtype
   if (c.qk_norm) per_layer += 2 * D;
   const std::uint64_t params = per_layer * static_cast<std::uint64_t>(c.num_layers) + d + V * d;
   return static_cast<std::size_t>(params * c10::elementSize(dtype));
+}
+
+PlanModel load_plan_model(const RunSettings& s) {
+  PlanModel pm;
+  struct stat st {};
+  if (::stat(s.model_path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+    LoadedModel m = load_for_run(s, false);
+    pm.cfg = m.model->config();
+    pm.space = m.model->site_space();
+    pm.weight_bytes = m.model->weight_bytes();
+    pm.tokenizer = std::move(m.tokenizer);
+    return pm;
+  }
+  pm.cfg = io::load_config(s.model_path + "/config.json");
+  pm.space = {static_cast<int>(pm.cfg.num_layers), pm.cfg.qk_norm, {}};
+  pm.tokenizer = std::make_unique<io::Tokenizer>(
+      io::Tokenizer::load(s.tokenizer_path.empty() ? model::default_tokenizer_path(s.model_path) : s.tokenizer_path));
+  return pm;
 }
 
 Plan make_plan(const PlanInput& in) {

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/capture_run.h"
+#include "engine/run.h"
 #include "hooks/selection.h"
 #include "io/config.h"
 
@@ -60,6 +61,16 @@ struct Plan {
   double read_bandwidth_gbs = 0, floor_ms = 0;
   double records_per_second = 0, bytes_per_second = 0;  // at the decode floor (upper bounds)
 };
+
+// What --plan needs of the model, without its weights: config, sites,
+// tokenizer; a TorchScript model is loaded (its sites are in the archive).
+struct PlanModel {
+  io::ModelConfig cfg;
+  hooks::SiteSpace space;
+  std::size_t weight_bytes = 0;  // 0: estimate_weight_bytes
+  std::unique_ptr<io::Tokenizer> tokenizer;
+};
+PlanModel load_plan_model(const RunSettings& s);
 
 Plan make_plan(const PlanInput& in);
 nlohmann::json plan_json(const Plan& p);

@@ -119,6 +119,19 @@ std::vector<std::vector<std::size_t>> shard_batches(const ShardRange& r, std::in
   return out;
 }
 
+ShardPlan plan_shard(const ShardSpec& s, const std::vector<std::vector<std::int32_t>>& prompts,
+                     std::int64_t max_new_tokens, std::int64_t batch_size) {
+  std::vector<std::int64_t> weights;
+  for (const auto& p : prompts) weights.push_back(static_cast<std::int64_t>(p.size()) + max_new_tokens);
+  const auto ranges = split_shards(weights, s.count);
+  ShardPlan out;
+  out.range = ranges.at(static_cast<std::size_t>(s.index));
+  for (const auto& r : ranges) out.weight_total += r.weight;
+  out.batches = shard_batches(out.range, batch_size);
+  out.record = shard_record(s, ranges, prompts.size());
+  return out;
+}
+
 std::string shard_output_path(const std::string& path, const ShardSpec& s) {
   std::string out = path;
   for (const auto& [key, value] : {std::pair<std::string, std::int64_t>{"{shard}", s.index}, {"{shards}", s.count}})

@@ -43,6 +43,17 @@ std::vector<ShardRange> split_shards(const std::vector<std::int64_t>& weights, s
 // The batches a shard runs: its range, batch_size prompts at a time.
 std::vector<std::vector<std::size_t>> shard_batches(const ShardRange& r, std::int64_t batch_size);
 
+// A shard of a run's prompts: its range, the batches it runs and the
+// record its capture carries (root attribute "shard").
+struct ShardPlan {
+  ShardRange range;
+  std::int64_t weight_total = 0;
+  std::vector<std::vector<std::size_t>> batches;
+  std::string record;
+};
+ShardPlan plan_shard(const ShardSpec& s, const std::vector<std::vector<std::int32_t>>& prompts,
+                     std::int64_t max_new_tokens, std::int64_t batch_size);
+
 // `{shard}` and `{shards}` in an output path become K and N.
 std::string shard_output_path(const std::string& path, const ShardSpec& s);
 

@@ -107,7 +107,14 @@ if case == "merge":
     r = tool("dmi-run", "--replay", merged, "--verify", "-q")
     if "bit for bit" not in r.stdout:
         fail(f"replay of the merged capture: {r.stdout}")
-    print("ok: dmi-inspect summary, dmi-diff and dmi-run --replay --verify (bit for bit) read the merged capture")
+    r = tool("dmi-run", "--replay", parts[1], "--verify", "-q", "--json")
+    rep = json.loads(r.stdout)["replay"]
+    with h5py.File(parts[1], "r") as f:
+        rec = json.loads(f.attrs["shard"])
+    if rep["sequences"] != list(range(rec["begin"], rec["end"])) or not rep["verify"]["bitwise"]:
+        fail(f"replay of shard 1: {rep}")
+    print("ok: dmi-inspect summary, dmi-diff and dmi-run --replay --verify (bit for bit) read the merged capture; "
+          "a shard replays its own sequences")
     # h5py from another directory, and the merged file moved with its shards.
     code = ("import h5py,sys; f=h5py.File(sys.argv[1]); d=f['sites/blocks.1.hook_resid_post/data'][:]; "
             "import numpy as np; assert np.isfinite(d).all() and len(d) > 0; print(len(d))")
@@ -201,6 +208,7 @@ elif case == "plan":
     if p["prompts"] != len(PROMPTS) or not 0 < p["running"] < len(PROMPTS):
         fail(f"--plan with --shard 1/4: {p}")
     bad("dmi-run", "--plan", want="--plan estimates a capture")
+    bad("dmi-run", "--replay", "x.h5", "--plan", want="--plan does not apply to --replay")
     print("ok: --plan's rows and records equal the runs', file sizes within 10 %")
 else:
     fail(f"unknown case {case}")

@@ -68,24 +68,17 @@ std::vector<std::int64_t> read_int_array_attr(hid_t loc, const std::string& name
   return v;
 }
 
+herr_t collect_name(hid_t, const char* name, const H5A_info_t*, void* out) {
+  static_cast<std::vector<std::string>*>(out)->emplace_back(name);
+  return 0;
+}
+
 // Text, integer and integer-array attributes (all a capture has), except `skip`.
 void copy_attributes(hid_t src, hid_t dst, const std::set<std::string>& skip) {
   std::vector<std::string> names;
-  H5Aiterate2(
-      src, H5_INDEX_CRT_ORDER, H5_ITER_INC, nullptr,
-      [](hid_t, const char* name, const H5A_info_t*, void* out) -> herr_t {
-        static_cast<std::vector<std::string>*>(out)->emplace_back(name);
-        return 0;
-      },
-      &names);
+  H5Aiterate2(src, H5_INDEX_CRT_ORDER, H5_ITER_INC, nullptr, collect_name, &names);
   if (names.empty())  // files without creation order tracking iterate by name
-    H5Aiterate2(
-        src, H5_INDEX_NAME, H5_ITER_INC, nullptr,
-        [](hid_t, const char* name, const H5A_info_t*, void* out) -> herr_t {
-          static_cast<std::vector<std::string>*>(out)->emplace_back(name);
-          return 0;
-        },
-        &names);
+    H5Aiterate2(src, H5_INDEX_NAME, H5_ITER_INC, nullptr, collect_name, &names);
   for (const auto& name : names) {
     if (skip.count(name)) continue;
     H5Handle a{H5Aopen(src, name.c_str(), H5P_DEFAULT), H5Aclose};

@@ -159,8 +159,9 @@ elif case == "bad-input":
     tool("dmi-run", "-q", "--model", MODEL, "--prompts", prompts_file, "-n", "2", "--hooks", "resid_post",
          "--shard", "1/3", "-o", other_sel)
     bad("dmi-inspect", "merge", out, parts[0], other_sel, parts[2], want="differ in selection")
-    four = shards(os.path.join(tmp, "four"), 4, n=2)
-    bad("dmi-inspect", "merge", out, parts[0], four[1], want="not shards of one run")
+    four = os.path.join(tmp, "part-1-of-4.h5")
+    run(four, "--shard", "1/4", n=2)
+    bad("dmi-inspect", "merge", out, parts[0], four, want="not shards of one run")
     # A forged record: shard 1 claiming shard 0's prompts.
     forged = os.path.join(tmp, "forged.h5")
     shutil.copy(parts[1], forged)

@@ -21,6 +21,8 @@ pkgs=(
   # storage and utility libraries
   libhdf5-dev hdf5-tools libcli11-dev nlohmann-json3-dev libfmt-dev doctest-dev
   libpcre2-dev libutf8proc-dev libpng-dev
+  # labelled heatmaps: FreeType and the DejaVu fonts
+  libfreetype-dev fonts-dejavu-core
   # model fingerprints: SHA-256 (OpenSSL) and XXH3-128 (xxHash)
   libssl-dev libxxhash-dev
 )

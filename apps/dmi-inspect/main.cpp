@@ -16,7 +16,7 @@
 
 #include "analysis/attn_tracker.h"
 #include "analysis/follow.h"
-#include "analysis/png.h"
+#include "analysis/heatmap.h"
 #include "analysis/stats.h"
 #include "analysis/steering.h"
 #include "app_main.h"
@@ -33,7 +33,7 @@ using dmi::sink::CaptureFile;
 namespace {
 
 struct Options {
-  std::string file, tokenizer, site, match = "*", pos, index, format = "table", npy, png, by;
+  std::string file, tokenizer, site, match = "*", pos, index, format = "table", npy, png, svg, by;
   int seq = -1, layer = -1, head = -1, qpos = -1, top = 10;
   bool json = false, follow = false;
   double interval = 0.5;
@@ -375,15 +375,39 @@ int cmd_attention(const CaptureFile& f, const Options& o) {
   DMI_CHECK(o.head < H, "--head {} is out of range ({} heads)", o.head, H);
   auto tok = load_tokenizer(f, o);
   auto ids = f.tokens(static_cast<std::size_t>(o.seq));
-  if (!o.png.empty()) {
+  if (!o.png.empty() || !o.svg.empty()) {
+    // A labelled [query, key] heatmap of one head: tokens on both axes.
     const int h = o.head < 0 ? 0 : o.head;
-    at::Tensor x = f.read_rows(site, rows).select(1, h);  // [q, W]
+    dmi::analysis::Heatmap hm;
+    hm.values = f.read_rows(site, rows).select(1, h);  // [q, W]
     const std::int64_t maxpos = ps[rows.back()];
-    x = x.narrow(1, 0, maxpos + 1);
-    const int cell = static_cast<int>(std::max<std::int64_t>(2, 640 / std::max<std::int64_t>(x.size(0), x.size(1))));
-    dmi::analysis::write_heatmap_png(o.png, x, cell);
-    std::fprintf(stderr, "dmi-inspect: wrote %s: layer %d head %d, %lld queries x %lld keys, %d px per cell\n",
-                 o.png.c_str(), o.layer, h, static_cast<long long>(x.size(0)), static_cast<long long>(x.size(1)), cell);
+    hm.values = hm.values.narrow(1, 0, maxpos + 1);
+    auto label = [&](std::int64_t p) {
+      return fmt::format("{} {}", p, dmi::analysis::axis_label(token_text(tok.get(), ids.at(static_cast<std::size_t>(p)))));
+    };
+    for (auto r : rows) hm.row_labels.push_back(label(ps[r]));
+    for (std::int64_t k = 0; k <= maxpos; ++k) hm.col_labels.push_back(label(k));
+    const std::string base = f.path().substr(f.path().rfind('/') == std::string::npos ? 0 : f.path().rfind('/') + 1);
+    hm.title = fmt::format("{}: {}, head {}, sequence {}", base, site, h, o.seq);
+    hm.subtitle = fmt::format("layer {}, {} queries x {} keys; prompt: positions 0-{}", o.layer, rows.size(),
+                              maxpos + 1, f.prompt_length(static_cast<std::size_t>(o.seq)) - 1);
+    hm.row_axis = "query (position, token)";
+    hm.col_axis = "key (position, token)";
+    hm.value_name = "attention weight";
+    json out = json::array();
+    for (const std::string& path : {o.png, o.svg}) {
+      if (path.empty()) continue;
+      const auto g = dmi::analysis::write_heatmap(path, hm);
+      out.push_back({{"file", path}, {"width", g.width}, {"height", g.height}, {"grid_x", g.grid_x},
+                     {"grid_y", g.grid_y}, {"cell", g.cell}, {"label_stride", g.label_stride},
+                     {"queries", hm.values.size(0)}, {"keys", hm.values.size(1)}, {"layer", o.layer}, {"head", h},
+                     {"seq", o.seq}});
+      if (!o.json)
+        std::fprintf(stderr, "dmi-inspect: wrote %s: layer %d head %d, %lld queries x %lld keys, %dx%d px\n",
+                     path.c_str(), o.layer, h, static_cast<long long>(hm.values.size(0)),
+                     static_cast<long long>(hm.values.size(1)), g.width, g.height);
+    }
+    if (o.json) std::cout << out.dump(2) << "\n";
     return 0;
   }
   std::int64_t row = rows.back();
@@ -756,7 +780,7 @@ int main(int argc, char** argv) {
       "  dmi-inspect run.h5 show blocks.0.hook_resid_post --npy resid.npy\n"
       "  dmi-inspect run.h5 stats 'blocks.*.hook_resid_post' --by layer\n"
       "  dmi-inspect run.h5 attention --layer 3 --seq 0 --top 5\n"
-      "  dmi-inspect run.h5 attention --layer 3 --head 1 --seq 0 --png head.png\n"
+      "  dmi-inspect run.h5 attention --layer 3 --head 1 --seq 0 --png head.png --svg head.svg\n"
       "  dmi-inspect run.h5 logits --seq 0 --pos 7 --top 10\n"
       "  dmi-inspect run.h5 text --follow                (while dmi-run writes run.h5: new tokens as they come)\n"
       "  dmi-inspect run.h5 recover                      (close the file of a killed run for every HDF5 reader)\n"
@@ -802,7 +826,9 @@ int main(int argc, char** argv) {
   attention->add_option("--seq", o.seq, "sequence index")->required();
   attention->add_option("--pos", o.qpos, "query position (default: the last captured)");
   attention->add_option("--top", o.top, "keys per head")->capture_default_str()->check(dmi::apps::kAtLeastOne);
-  attention->add_option("--png", o.png, "write the [query, key] pattern of one head as a PNG heatmap");
+  attention->add_option("--png", o.png, "write the [query, key] pattern of one head (--head, default 0) as a PNG "
+                        "heatmap: tokens on both axes, colour bar, title");
+  attention->add_option("--svg", o.svg, "the same heatmap as SVG (text stays text)");
   auto* logits = app.add_subcommand("logits", "top next tokens with probabilities (needs logits)");
   logits->add_option("--seq", o.seq, "sequence index")->required();
   logits->add_option("--pos", o.qpos, "position (with --follow: the first to show)");

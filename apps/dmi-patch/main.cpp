@@ -12,10 +12,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "analysis/patching.h"
-#include "analysis/png.h"
 #include "app_main.h"
 #include "common/error.h"
 #include "engine/capture_run.h"
@@ -28,7 +28,7 @@ namespace {
 using dmi::apps::g_stop;
 
 struct Args {
-  std::string model, tokenizer, clean, corrupt, output, png, dtype = "float32";
+  std::string model, tokenizer, clean, corrupt, output, png, svg, dtype = "float32";
   std::string answer, wrong, sites = "resid_pre,attn_out,mlp_out", direction = "denoise", metric = "logit-diff";
   std::int32_t answer_id = -1, wrong_id = -1;
   std::int64_t batch_size = 8;
@@ -130,15 +130,22 @@ int run(const Args& a) {
   }
   analysis::write_patch_file(a.output, a.overwrite, r, o, info);
 
+  // One labelled heatmap per site, as PNG and/or SVG.
   std::vector<std::string> pngs;
-  if (!a.png.empty()) {
+  nlohmann::json heatmaps = nlohmann::json::array();
+  for (const auto& [dir, ext, flag] : {std::tuple{a.png, ".png", "--png"}, std::tuple{a.svg, ".svg", "--svg"}}) {
+    if (dir.empty()) continue;
     struct stat st {};
-    if (::stat(a.png.c_str(), &st) != 0)
-      DMI_CHECK(::mkdir(a.png.c_str(), 0777) == 0, "--png {}: cannot create the directory: {}", a.png,
+    if (::stat(dir.c_str(), &st) != 0)
+      DMI_CHECK(::mkdir(dir.c_str(), 0777) == 0, "{} {}: cannot create the directory: {}", flag, dir,
                 std::strerror(errno));
     for (const auto& g : r.grids) {
-      pngs.push_back(a.png + "/" + analysis::patch_site_short_name(g.site) + ".png");
-      analysis::write_heatmap_png(pngs.back(), g.norm, 16, analysis::Colormap::diverging);
+      const std::string path = dir + "/" + analysis::patch_site_short_name(g.site) + ext;
+      const auto geo = analysis::write_heatmap(path, analysis::patch_heatmap(g, o, info, a.output));
+      pngs.push_back(path);
+      heatmaps.push_back({{"file", path}, {"site", analysis::patch_site_short_name(g.site)}, {"width", geo.width},
+                          {"height", geo.height}, {"grid_x", geo.grid_x}, {"grid_y", geo.grid_y},
+                          {"cell", geo.cell}, {"rows", g.norm.size(0)}, {"cols", g.norm.size(1)}});
     }
   }
 
@@ -175,6 +182,7 @@ int run(const Args& a) {
       j["top"].push_back(e);
     }
     j["png"] = pngs;
+    j["heatmaps"] = heatmaps;
     j["cost"] = {{"patched_runs", r.patched_runs}, {"forward_passes", r.forward_passes},
                  {"tokens_computed", r.tokens_computed}, {"tokens_naive", r.tokens_naive},
                  {"token_ratio", speedup}, {"seconds", r.seconds}, {"reuse_prefix", o.reuse_prefix}};
@@ -239,7 +247,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"logit-diff", "logprob", "prob", "kl"}));
   app.add_option("-o,--output", a.output, "the HDF5 file to write")->required();
   app.add_flag("--overwrite", a.overwrite, "replace --output if it exists");
-  app.add_option("--png", a.png, "directory for one heatmap per site (norm, blue -1 .. red +1)");
+  app.add_option("--png", a.png, "directory for one labelled heatmap per site (norm, blue -1 .. red +1; layers down, "
+                              "positions with tokens or heads across)");
+  app.add_option("--svg", a.svg, "directory for the same heatmaps as SVG");
   app.add_option("--top", a.top, "cells listed in the summary")->capture_default_str()->check(dmi::apps::kNonNegative);
   app.add_option("-b,--batch-size", a.batch_size, "patched runs per forward pass")->capture_default_str()
       ->check(dmi::apps::kAtLeastOne);

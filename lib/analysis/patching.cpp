@@ -345,3 +345,30 @@ std::vector<PatchCell> top_patch_cells(const PatchSweepResult& r, std::size_t k)
 }
 
 }  // namespace dmi::analysis
+
+namespace dmi::analysis {
+
+Heatmap patch_heatmap(const PatchGrid& g, const PatchSweepOptions& o, const PatchFileInfo& info,
+                      const std::string& output) {
+  Heatmap h;
+  h.values = g.norm;
+  h.map = Colormap::diverging;
+  for (std::int64_t l = 0; l < g.norm.size(0); ++l) h.row_labels.push_back(std::to_string(l));
+  for (std::int64_t c = 0; c < g.norm.size(1); ++c)
+    h.col_labels.push_back(g.per_head || static_cast<std::size_t>(c) >= info.tokens.size()
+                               ? std::to_string(c)
+                               : fmt::format("{} {}", c, axis_label(info.tokens[static_cast<std::size_t>(c)])));
+  const std::string base = output.substr(output.rfind('/') == std::string::npos ? 0 : output.rfind('/') + 1);
+  h.title = fmt::format("{}: patching {}, {}", base,
+                        hooks::is_layer_site(g.site) ? std::string("blocks.*.") + hooks::site_suffix(g.site)
+                                                     : hooks::site_name(g.site, -1),
+                        patch_direction_name(o.direction));
+  h.subtitle = fmt::format("metric {}{}; normalised (m - corrupt) / (clean - corrupt)", patch_metric_name(o.metric),
+                           info.answer.empty() ? "" : fmt::format(", answer {:?} vs {:?}", info.answer, info.wrong));
+  h.row_axis = "layer";
+  h.col_axis = g.per_head ? "head" : "position (token)";
+  h.value_name = "normalised effect";
+  return h;
+}
+
+}  // namespace dmi::analysis

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "analysis/heatmap.h"
 #include "hooks/site.h"
 #include "model/causal_lm.h"
 
@@ -95,6 +96,12 @@ struct PatchFileInfo {
   std::vector<std::string> tokens;         // pair 1's base prompt, one string per position
   std::string answer, wrong;               // as tokens ("" when not used)
 };
+
+// The labelled picture of one site's normalised effects (dmi-patch --png,
+// --svg): layers down, positions (with pair 1's tokens) or heads across,
+// blue -1 (as corrupted) .. red +1 (as clean).
+Heatmap patch_heatmap(const PatchGrid& g, const PatchSweepOptions& o, const PatchFileInfo& info,
+                      const std::string& output);
 
 // Writes /patch/<short site name>/{raw,norm} and the root attributes, under
 // PATH.partial renamed into place once complete. An existing path only with

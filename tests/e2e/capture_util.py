@@ -85,3 +85,69 @@ def compare_captures(a_path, b_path, bitwise=True, rtol=1e-5):
         if not np.array_equal(sa[k], sb[k]):
             raise AssertionError(f"/sequences/{k} differs between {a_path} and {b_path}")
     return n, worst
+
+
+# matplotlib's viridis and coolwarm at 0, 1/4, 1/2, 3/4 and 1, interpolated
+# linearly: the colour maps of dmi's heatmaps (lib/analysis/heatmap.cpp).
+_ANCHORS = {"sequential": [(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37)],
+            "diverging": [(59, 76, 192), (141, 176, 254), (221, 221, 221), (244, 154, 123), (180, 4, 38)]}
+
+
+def heatmap_colour(v, cmap):
+    if not np.isfinite(v):
+        return (0, 0, 0)
+    if cmap == "diverging":
+        v = (v + 1) / 2
+    v = min(1.0, max(0.0, float(v))) * 4
+    i = min(3, int(v))
+    t = v - i
+    a, b = _ANCHORS[cmap][i], _ANCHORS[cmap][i + 1]
+    return tuple(int(np.floor(a[c] + t * (b[c] - a[c]) + 0.5)) for c in range(3))
+
+
+def check_heatmap(path, geo, values, cmap, texts):
+    """A labelled heatmap (PNG or SVG) as dmi writes it: its size and grid
+    geometry as reported, every cell's colour equal to the colour map of
+    `values` (read independently, e.g. with h5py), text in the margins, and
+    (SVG) the expected strings among its text elements. Returns an error
+    string, or None."""
+    rows, cols = values.shape
+    x0, y0, cell = geo["grid_x"], geo["grid_y"], geo["cell"]
+    if path.endswith(".png"):
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        img = np.rint(plt.imread(path)[:, :, :3] * 255).astype(int)
+        if img.shape[:2] != (geo["height"], geo["width"]):
+            return f"{path}: {img.shape[1]}x{img.shape[0]}, reported {geo['width']}x{geo['height']}"
+        for r in range(rows):
+            for c in range(cols):
+                got = tuple(img[y0 + r * cell + cell // 2, x0 + c * cell + cell // 2])
+                want = heatmap_colour(values[r, c], cmap)
+                if max(abs(g - w) for g, w in zip(got, want)) > 1:
+                    return f"{path}: cell ({r}, {c}) is {got}, want {want} for value {values[r, c]}"
+        # Text is dark ink on white: in the title band, left of the grid (row
+        # labels) and below it (column labels).
+        for name, band in (("title", img[:y0, :]), ("row labels", img[y0:y0 + rows * cell, :x0]),
+                           ("column labels", img[y0 + rows * cell + 2:, x0:x0 + cols * cell])):
+            if not (band.max(axis=2) < 100).any():
+                return f"{path}: no text in the {name}"
+        return None
+    import xml.etree.ElementTree as ET
+    root = ET.parse(path).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    if (int(root.get("width")), int(root.get("height"))) != (geo["width"], geo["height"]):
+        return f"{path}: size {root.get('width')}x{root.get('height')}"
+    fills = {(int(e.get("x")), int(e.get("y"))): e.get("fill") for e in root.iter(ns + "rect")
+             if int(e.get("width")) == cell and int(e.get("height")) == cell}
+    for r in range(rows):
+        for c in range(cols):
+            want = "#%02x%02x%02x" % heatmap_colour(values[r, c], cmap)
+            got = fills.get((x0 + c * cell, y0 + r * cell))
+            if got != want:
+                return f"{path}: cell ({r}, {c}) fill {got}, want {want}"
+    strings = [e.text or "" for e in root.iter(ns + "text")]
+    for t in texts:
+        if not any(t in s for s in strings):
+            return f"{path}: no text containing {t!r} (has {strings[:8]}...)"
+    return None

@@ -7,13 +7,15 @@ read independently with python3-h5py; diff verdicts and exit statuses.
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
 
 import h5py
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from capture_util import check_heatmap  # noqa: E402
 
 bindir, models, case = sys.argv[1], sys.argv[2], sys.argv[3]
 RUN, INSPECT, DIFF = (os.path.join(bindir, b) for b in ("dmi-run", "dmi-inspect", "dmi-diff"))
@@ -127,12 +129,22 @@ elif case == "attention-logits":
         if [k["pos"] for k in hd["top"]] != want.tolist() or not close([k["weight"] for k in hd["top"]],
                                                                        data[row, hd["head"], want]):
             fail(f"attention head {hd['head']}")
-    png = os.path.join(tmp, "a.png")
-    tool(INSPECT, full, "attention", "--layer", "1", "--head", "2", "--seq", "0", "--png", png)
-    with open(png, "rb") as f:
-        sig = f.read(24)
-    if sig[:8] != b"\x89PNG\r\n\x1a\n" or struct.unpack(">II", sig[16:24])[0] == 0:
-        fail("attention --png is not a PNG")
+    # The labelled heatmap of head 2: every cell is h5py's value on the colour
+    # map, tokens label both axes, the title names file, site, head, sequence.
+    png, svg = os.path.join(tmp, "a.png"), os.path.join(tmp, "a.svg")
+    geo = json.loads(tool(INSPECT, full, "attention", "--layer", "1", "--head", "2", "--seq", "0", "--png", png,
+                          "--svg", svg, "--json").stdout)
+    rows0 = sorted((pos[i], i) for i in range(len(seq)) if seq[i] == 0)
+    want = np.stack([data[i, 2, : rows0[-1][0] + 1] for _, i in rows0]).astype(np.float64)
+    tokens0 = h["sequences/tokens"][h["sequences/offsets"][0]:h["sequences/offsets"][1]]
+    texts = ["full.h5: blocks.1.attn.hook_pattern, head 2, sequence 0", "attention weight", "query", "key"]
+    for path, g_ in zip((png, svg), geo):
+        err = check_heatmap(path, g_, want, "sequential", texts)
+        if err:
+            fail(err)
+    if geo[0]["queries"] != len(rows0) or geo[0]["keys"] != len(tokens0) - 1:
+        fail(f"attention --png geometry {geo[0]}")
+    print(f"ok: attention --png/--svg: {len(rows0)}x{want.shape[1]} cells equal h5py's values, labelled")
     g = h["sites/unembed.hook_out"]
     seq, pos, data = g["seq"][:], g["pos"][:], g["data"][:].astype(np.float64)
     row = [i for i in range(len(seq)) if seq[i] == 2 and pos[i] == 4][0]

@@ -20,6 +20,8 @@ import torch
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import dmi_reference as ref  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from capture_util import check_heatmap  # noqa: E402
 import make_test_models as mtm  # noqa: E402
 from capture_util import rows_by_key  # noqa: E402
 
@@ -276,7 +278,7 @@ def case_outputs():
     """The file's attributes, --json, --png and the text summary."""
     pngdir = os.path.join(tmp, "png")
     r = patch(["The cat sat"], ["The dog sat"], "out.h5", "--sites", "resid_pre,z", "--answer", "c", "--wrong", "d",
-              "--png", pngdir, "--json", "--top", "3")
+              "--png", pngdir, "--svg", pngdir, "--json", "--top", "3")
     j = json.loads(r.stdout)
     g, mc, mx = grids(os.path.join(tmp, "out.h5"))
     with h5py.File(os.path.join(tmp, "out.h5"), "r") as f:
@@ -299,16 +301,22 @@ def case_outputs():
     flat = sorted(((abs(v), s, l, c) for s in g for (l, c), v in np.ndenumerate(g[s][1])), reverse=True)[:3]
     if sorted(cells) != sorted((s, l, c) for _, s, l, c in flat):
         fail(f"--json top cells {cells}, file's largest |norm| {flat}")
-    for s, (rows, cols) in (("resid_pre", (2, 11)), ("z", (2, 4))):
-        with open(os.path.join(pngdir, s + ".png"), "rb") as f:
-            head = f.read(24)
-        w, h = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
-        if head[:8] != b"\x89PNG\r\n\x1a\n" or (w, h) != (cols * 16, rows * 16):
-            fail(f"{s}.png: {w}x{h}, want {cols * 16}x{rows * 16}")
+    # Labelled heatmaps: every cell is the file's norm on the diverging map,
+    # layers down, positions (with tokens) or heads across.
+    maps = {(m["site"], os.path.splitext(m["file"])[1]): m for m in j["heatmaps"]}
+    for s, (rows, cols), label in (("resid_pre", (2, 11), "4 d"), ("z", (2, 4), "head")):
+        for ext in (".png", ".svg"):
+            m = maps[(s, ext)]
+            if (m["rows"], m["cols"]) != (rows, cols) or m["file"] != os.path.join(pngdir, s + ext):
+                fail(f"--json heatmaps entry {m}")
+            err = check_heatmap(m["file"], m, g[s][1], "diverging",
+                                ["out.h5: patching blocks.*.", "normalised effect", "layer", label])
+            if err:
+                fail(err)
     text = patch(["The cat sat"], ["The dog sat"], "out.h5", "--answer", "c", "--wrong", "d", "--overwrite").stdout
     if "top cells" not in text or "resid_pre" not in text:
         fail(f"text summary:\n{text}")
-    print("attributes, --json top cells, PNG sizes and the text summary as documented")
+    print("attributes, --json top cells, labelled PNG/SVG heatmaps and the text summary as documented")
 
 
 def case_bad_input():

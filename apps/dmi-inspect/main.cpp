@@ -17,6 +17,8 @@
 #include "analysis/attn_tracker.h"
 #include "analysis/follow.h"
 #include "analysis/heatmap.h"
+#include "analysis/report.h"
+#include "hooks/selection.h"
 #include "analysis/stats.h"
 #include "analysis/steering.h"
 #include "app_main.h"
@@ -654,6 +656,30 @@ int cmd_vector_export(const VectorOptions& v, bool as_json) {
   return 0;
 }
 
+int cmd_report(const CaptureFile& f, const Options& o, dmi::analysis::ReportOptions r, const std::string& seqs,
+               const std::string& layers, const std::string& output) {
+  if (!seqs.empty())
+    for (auto s : dmi::hooks::parse_index_set(seqs, static_cast<std::int64_t>(f.n_sequences()), "--seq"))
+      r.seqs.push_back(s);
+  if (!layers.empty())
+    for (auto l : dmi::hooks::parse_index_set(layers, f.int_attr("n_layers").value_or(1 << 20), "--layers"))
+      r.layers.push_back(l);
+  auto tok = load_tokenizer(f, o);
+  const auto res = dmi::analysis::write_report(f, [&](std::int32_t id) { return token_text(tok.get(), id); }, r,
+                                               output);
+  if (o.json) {
+    std::cout << json{{"output", output}, {"bytes", res.bytes}, {"sequences", res.sequences},
+                      {"attention_maps", res.attention_maps}, {"left_out", res.left_out}}
+                     .dump(2)
+              << "\n";
+    return 0;
+  }
+  fmt::print("{}: {} sequences, {} attention maps, {}\n", output, res.sequences, res.attention_maps,
+             fmt_bytes(res.bytes));
+  for (const auto& n : res.left_out) fmt::print("  left out: {}\n", n);
+  return 0;
+}
+
 int cmd_merge(const dmi::sink::MergeOptions& m, bool as_json) {
   const auto r = dmi::sink::merge_captures(m);
   if (as_json) {
@@ -785,6 +811,7 @@ int main(int argc, char** argv) {
       "  dmi-inspect run.h5 text --follow                (while dmi-run writes run.h5: new tokens as they come)\n"
       "  dmi-inspect run.h5 recover                      (close the file of a killed run for every HDF5 reader)\n"
       "  dmi-inspect merge run.h5 part-0.h5 part-1.h5    (one capture over the files of dmi-run --shard K/N)\n"
+      "  dmi-inspect run.h5 report -o run.html           (a self-contained HTML page: text, hover, attention)\n"
       "  dmi-inspect run.h5 attn-tracker --heads heads.json --inst 1:12 --data 12:40 --json\n"
       "  dmi-inspect attn-tracker-select --benign benign.h5 --attack attack.h5 --inst 1:12 --data 12:40 -o heads.json\n"
       "  dmi-inspect steer-vector make --pos happy.h5 --neg sad.h5 --site resid_post --select last-prompt -o v.safetensors\n"
@@ -835,6 +862,19 @@ int main(int argc, char** argv) {
   logits->add_option("--top", o.top, "how many")->capture_default_str()->check(dmi::apps::kAtLeastOne);
   auto* recover = app.add_subcommand("recover", "close the file of a run that was killed (status running, writer "
                                                 "gone): sequences from its token log, status killed");
+  dmi::analysis::ReportOptions ro;
+  std::string report_seqs, report_layers, report_out;
+  auto* report = app.add_subcommand("report", "one self-contained HTML page of the capture: text with token "
+                                    "boundaries, hover for top next tokens and residual norms, attention heatmaps "
+                                    "per layer and head, settings (no network)");
+  report->add_option("-o,--output", report_out, "the HTML file to write")->required();
+  report->add_option("--seq", report_seqs, "only these sequences: 0,3 or 0-9 (default: all, within --max-mb)");
+  report->add_option("--layers", report_layers, "attention of these layers only: 0-3,10 (default: all captured)");
+  report->add_option("--max-mb", ro.max_mb, "data in the page at most (MB); what does not fit is listed as left out")
+      ->capture_default_str()
+      ->check(dmi::apps::kPositive);
+  report->add_option("--top", ro.top, "next-token candidates per token")->capture_default_str()
+      ->check(dmi::apps::kAtLeastOne);
   dmi::sink::MergeOptions mo;
   auto* merge = app.add_subcommand("merge", "one capture over the shard files of dmi-run --shard K/N (HDF5 virtual "
                                    "datasets; no capture file before it; docs/scale-out.md)");
@@ -887,8 +927,8 @@ int main(int argc, char** argv) {
   vexport->add_option("--gguf", vo.gguf, "output .gguf")->required();
   vexport->add_option("--model-hint", vo.model_hint, "controlvector.model_hint (default: the file's model_hint)");
   vexport->add_flag("--drop-layer0", vo.drop_layer0, "leave out direction.0 (llama.cpp cannot apply it)");
-  for (auto* sub : {summary, sites, text, show, stats, attention, logits, recover, merge, tracker, select, vmake, vshow,
-                    vexport})
+  for (auto* sub : {summary, sites, text, show, stats, attention, logits, recover, report, merge, tracker, select, vmake,
+                    vshow, vexport})
     sub->add_flag("--json", o.json, "machine-readable output");
   for (auto* sub : {summary, text, show, stats, logits}) {
     sub->add_flag("--follow", o.follow, follow_flag->get_description());
@@ -950,6 +990,7 @@ int main(int argc, char** argv) {
     if (show->parsed()) return cmd_show(*f, o);
     if (stats->parsed()) return cmd_stats(*f, o);
     if (attention->parsed()) return cmd_attention(*f, o);
+    if (report->parsed()) return cmd_report(*f, o, ro, report_seqs, report_layers, report_out);
     if (tracker->parsed()) return cmd_attn_tracker(*f, o, ta);
     return cmd_logits(*f, o);
   });

@@ -46,7 +46,8 @@ def browser(*args, proxy_port):
     request that escaped the page would reach the test's server)."""
     if not BROWSER:
         fail("chromium is not installed (scripts/setup.sh --with-tests installs it)")
-    cmd = [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+    cmd = [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+           "--no-first-run",
            "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-pings",
            "--disable-domain-reliability", "--disable-client-side-phishing-detection", "--disable-default-apps",
            f"--user-data-dir={os.path.join(tmp, 'profile')}", f"--proxy-server=http://127.0.0.1:{proxy_port}",

@@ -170,6 +170,15 @@ elif case == "bad-input":
         rec["begin"], rec["end"] = 0, rec["end"]
         f.attrs["shard"] = json.dumps(rec)
     bad("dmi-inspect", "merge", out, parts[0], forged, parts[2], want="forged.h5")
+    # A forged row: shard 1 holding a row of sequence 0.
+    stray = os.path.join(tmp, "stray.h5")
+    shutil.copy(parts[1], stray)
+    with h5py.File(stray, "r+") as f:
+        d = f["sites/blocks.0.hook_resid_post/seq"]
+        v = d[:]
+        v[0] = 0
+        d[...] = v
+    bad("dmi-inspect", "merge", out, parts[0], stray, parts[2], want="rows of sequence 0, outside its shard")
     single = os.path.join(tmp, "single.h5")
     run(single, n=2)
     bad("dmi-inspect", "merge", out, single, want="not a shard")

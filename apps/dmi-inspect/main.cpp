@@ -1,6 +1,7 @@
 // dmi-inspect: query a dmi capture file. A thin front end over
 // sink::CaptureFile and analysis/.
 #include <ATen/ATen.h>
+#include <filesystem>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -389,7 +390,7 @@ int cmd_attention(const CaptureFile& f, const Options& o) {
     };
     for (auto r : rows) hm.row_labels.push_back(label(ps[r]));
     for (std::int64_t k = 0; k <= maxpos; ++k) hm.col_labels.push_back(label(k));
-    const std::string base = f.path().substr(f.path().rfind('/') == std::string::npos ? 0 : f.path().rfind('/') + 1);
+    const std::string base = std::filesystem::path(f.path()).filename().string();
     hm.title = fmt::format("{}: {}, head {}, sequence {}", base, site, h, o.seq);
     hm.subtitle = fmt::format("layer {}, {} queries x {} keys; prompt: positions 0-{}", o.layer, rows.size(),
                               maxpos + 1, f.prompt_length(static_cast<std::size_t>(o.seq)) - 1);

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <filesystem>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -358,7 +359,7 @@ Heatmap patch_heatmap(const PatchGrid& g, const PatchSweepOptions& o, const Patc
     h.col_labels.push_back(g.per_head || static_cast<std::size_t>(c) >= info.tokens.size()
                                ? std::to_string(c)
                                : fmt::format("{} {}", c, axis_label(info.tokens[static_cast<std::size_t>(c)])));
-  const std::string base = output.substr(output.rfind('/') == std::string::npos ? 0 : output.rfind('/') + 1);
+  const std::string base = std::filesystem::path(output).filename().string();
   h.title = fmt::format("{}: patching {}, {}", base,
                         hooks::is_layer_site(g.site) ? std::string("blocks.*.") + hooks::site_suffix(g.site)
                                                      : hooks::site_name(g.site, -1),

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <tuple>
@@ -21,11 +22,6 @@ namespace {
 using nlohmann::json;
 
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
-
-std::string base_name(const std::string& p) {
-  const auto slash = p.rfind('/');
-  return slash == std::string::npos ? p : p.substr(slash + 1);
-}
 
 // The page: styles and script inline; the data in a JSON script element.
 // The Content-Security-Policy comes first: the page may run its own inline
@@ -245,7 +241,8 @@ ReportResult write_report(const sink::CaptureFile& f, const std::function<std::s
   const bool topk = !logits_site.empty() && f.site(logits_site).layout == "topk";
 
   json data;
-  data["file"] = base_name(f.path());
+  const std::string file_name = std::filesystem::path(f.path()).filename().string();
+  data["file"] = file_name;
   json settings = json::array();
   auto add = [&](const std::string& k, const std::string& v) { settings.push_back({k, v}); };
   add("model", f.text_attr("model_path") + " (" + f.text_attr("architecture") + ")");
@@ -387,7 +384,7 @@ ReportResult write_report(const sink::CaptureFile& f, const std::function<std::s
   // Inside <script>, "</" would end the element early.
   for (std::size_t at = blob.find("</"); at != std::string::npos; at = blob.find("</", at + 3)) blob.replace(at, 2, "<\\/");
   std::string title;
-  for (char c : "dmi capture " + base_name(f.path()))
+  for (char c : "dmi capture " + file_name)
     title += c == '<' ? std::string("&lt;") : c == '&' ? std::string("&amp;") : std::string(1, c);
   const std::string tmp = output + ".partial";
   {

@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 
 #include "common/error.h"
+#include "engine/shard.h"
 #include "hooks/capture.h"
 
 namespace dmi::engine {
@@ -83,20 +84,13 @@ Plan make_plan(const PlanInput& in) {
   Plan p;
   p.prompts = in.prompts.size();
   const std::int64_t ctx = cfg.max_position_embeddings;
-  // As run_job: attention rows are as wide as the longest sequence any prompt can make.
-  for (const auto& pr : in.prompts)
-    p.attention_width = std::max<std::int64_t>(
-        p.attention_width, std::min<std::int64_t>(static_cast<std::int64_t>(pr.size()) + in.max_new_tokens, ctx));
+  p.attention_width = attention_width(in.prompts, in.max_new_tokens, ctx);  // as run_job
   const hooks::CaptureOptions o = capture_options(in.capture, in.space, p.attention_width);
   const hooks::CapturePoint point(o, cfg, in.model_dtype);
 
-  std::vector<std::vector<std::size_t>> batches = in.batches;
-  if (batches.empty())
-    for (std::size_t first = 0; first < in.prompts.size(); first += static_cast<std::size_t>(in.batch_size)) {
-      batches.emplace_back();
-      for (std::size_t i = first; i < std::min(in.prompts.size(), first + static_cast<std::size_t>(in.batch_size)); ++i)
-        batches.back().push_back(i);
-    }
+  // The generator's default: consecutive groups of batch_size.
+  const std::vector<std::vector<std::size_t>> batches =
+      in.batches.empty() ? shard_batches({0, in.prompts.size(), 0}, in.batch_size) : in.batches;
   std::vector<std::vector<std::int32_t>> running;
   const bool prompt_rows = o.tokens != hooks::TokenPolicy::generated;
   const bool generated_rows = o.tokens == hooks::TokenPolicy::all || o.tokens == hooks::TokenPolicy::generated;

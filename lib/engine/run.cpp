@@ -96,6 +96,15 @@ sink::RunInfo make_run_info(const RunSettings& s, const LoadedModel& m, std::int
   return info;
 }
 
+std::int64_t attention_width(const std::vector<std::vector<std::int32_t>>& prompts, std::int64_t max_new_tokens,
+                             std::int64_t context) {
+  std::int64_t width = 0;
+  for (const auto& p : prompts)
+    width = std::max<std::int64_t>(width, std::min<std::int64_t>(static_cast<std::int64_t>(p.size()) + max_new_tokens,
+                                                                 context));
+  return width;
+}
+
 std::vector<sink::SequenceInfo> sequence_infos(const Job& job, const std::vector<SequenceResult>& results,
                                                const io::Tokenizer& tok) {
   std::vector<sink::SequenceInfo> seqs;
@@ -174,11 +183,9 @@ RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const st
   // Capture: the file is created only now, after all input was checked.
   std::unique_ptr<CaptureRun> capture;
   if (!s.capture.hooks.empty()) {
-    std::int64_t width = job.attention_width;
-    if (width == 0)
-      for (const auto& p : job.prompts)
-        width = std::max<std::int64_t>(
-            width, std::min<std::int64_t>(p.size() + s.max_new_tokens, cfg.max_position_embeddings));
+    const std::int64_t width = job.attention_width ? job.attention_width
+                                                   : attention_width(job.prompts, s.max_new_tokens,
+                                                                     cfg.max_position_embeddings);
     sink::RunInfo info = make_run_info(s, m, width, hooks->resolved.record_json);
     for (const auto& a : job.extra_attributes) info.text.push_back(a);
     info.prompt_texts = job.prompt_texts;

@@ -86,6 +86,11 @@ struct RunOutput {
 RunOutput run_job(const RunSettings& s, LoadedModel& m, const Job& job, const std::atomic<bool>* stop,
                   Progress* progress);
 
+// The width of a capture's attention rows: the longest sequence (prompt +
+// max_new_tokens, within the model's context) any of the prompts can make.
+std::int64_t attention_width(const std::vector<std::vector<std::int32_t>>& prompts, std::int64_t max_new_tokens,
+                             std::int64_t context);
+
 // The /sequences entries of a finished run.
 std::vector<sink::SequenceInfo> sequence_infos(const Job& job, const std::vector<SequenceResult>& results,
                                                const io::Tokenizer& tok);

@@ -17,11 +17,13 @@ namespace dmi::kernels {
 namespace {
 
 #define DMI_INLINE inline __attribute__((always_inline))
-// The row loops below are compiled three times (AVX-512F, AVX2, baseline
-// x86-64) and picked at load time (GCC target_clones, an ifunc). With FMA
-// contraction off (lib/CMakeLists.txt) and fixed summation orders, all three
-// compute the same bits; only the vector width differs.
-#define DMI_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+// The row loops below are compiled three times (x86-64-v4, i.e. AVX-512
+// F/BW/DQ/VL; AVX2; baseline x86-64) and picked at load time (GCC
+// target_clones, an ifunc). With FMA contraction off (lib/CMakeLists.txt)
+// and fixed summation orders, all three compute the same bits; only the
+// vector width differs. An "avx512f" clone alone could not widen bf16 in
+// 512-bit registers (vpmovzxwd zmm needs AVX512BW) and ran 256 bits wide.
+#define DMI_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 
 DMI_INLINE float load(const float* p, std::int64_t i) { return p[i]; }
 DMI_INLINE float load(const std::uint16_t* p, std::int64_t i) {

@@ -142,25 +142,52 @@ template <class E>
 DMI_INLINE void softmax_row(const E* x, E* o, std::int64_t n, float* e) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // Masked columns at the end (causal prefill rows, cache columns not yet
-  // attended) are 0 and add nothing: the sums below stop before them.
+  // attended) and at the start (left padding, keys before a sliding window)
+  // are 0 and add nothing: the loops below run over [first, end) only.
+  // 16 columns at a time (a count vectorizes; an early exit would not), then one by one.
+  auto masked16 = [&](std::int64_t c0) {
+    int count = 0;
+    for (int j = 0; j < 16; ++j) count += load(x, c0 + j) == neg_inf;
+    return count == 16;
+  };
   std::int64_t end = n;
-  for (bool all = true; all && end >= 16; ) {  // 16 at a time (vectorizes), then one by one
-    for (int j = 0; j < 16; ++j) all &= load(x, end - 16 + j) == neg_inf;
-    if (all) end -= 16;
-  }
+  while (end >= 16 && masked16(end - 16)) end -= 16;
   while (end > 0 && load(x, end - 1) == neg_inf) --end;
+  std::int64_t first = 0;
+  while (first + 16 <= end && masked16(first)) first += 16;
+  while (first < end && load(x, first) == neg_inf) ++first;
+  // The maximum in 16 lanes (std::max's rule in each: a NaN never enters, as
+  // it never did the single running maximum); max is exact, so the order of
+  // comparisons changes no bit.
+  float lanes_max[16];
+  for (int j = 0; j < 16; ++j) lanes_max[j] = neg_inf;
+  std::int64_t c = first;
+  for (; c + 16 <= end; c += 16)
+    for (int j = 0; j < 16; ++j) lanes_max[j] = std::max(lanes_max[j], load(x, c + j));
+  for (int j = 0; c < end; ++c, ++j) lanes_max[j] = std::max(lanes_max[j], load(x, c));
   float mx = neg_inf;
-  for (std::int64_t i = 0; i < end; ++i) mx = std::max(mx, load(x, i));
+  for (int j = 0; j < 16; ++j) mx = std::max(mx, lanes_max[j]);
   if (mx == neg_inf) mx = 0.0f;  // a fully masked row: all zeros, not NaN
-  for (std::int64_t i = 0; i < end; ++i) {
+  for (std::int64_t i = first; i < end; ++i) {
     const float v = load(x, i);
     e[i] = v == neg_inf ? 0.0f : fast_exp(v - mx);
   }
-  float sum = 0.0f;
-  for (std::int64_t i = 0; i < end; ++i) sum += e[i];  // in order: zeros change nothing
-  const float denom = sum > 0.0f ? sum : 1.0f;
-  for (std::int64_t i = 0; i < end; ++i) store(o, i, e[i] / denom);
-  for (std::int64_t i = end; i < n; ++i) store(o, i, 0.0f);
+  // The sum in 16 lanes counted from the first unmasked column, then dot()'s
+  // fixed tree: the same bits wherever the row's keys sit in the cache (left
+  // padding differs with the batch), and masked columns inside add +0 to a
+  // lane, which changes nothing. (An in-order sum could not vectorize: it was
+  // most of a 256-token prefill's softmax.)
+  float lanes[16] = {};
+  std::int64_t i = first;
+  for (; i + 16 <= end; i += 16)
+    for (int j = 0; j < 16; ++j) lanes[j] += e[i + j];
+  for (int j = 0; i < end; ++i, ++j) lanes[j] += e[i];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
+  const float denom = lanes[0] > 0.0f ? lanes[0] : 1.0f;
+  for (c = 0; c < first; ++c) store(o, c, 0.0f);
+  for (c = first; c < end; ++c) store(o, c, e[c] / denom);
+  for (c = end; c < n; ++c) store(o, c, 0.0f);
 }
 
 // The entry points the row loops below call, one per dtype, each cloned

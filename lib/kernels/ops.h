@@ -35,8 +35,9 @@ at::Tensor attention_scores(const at::Tensor& q, const at::Tensor& keys, std::in
 
 // Softmax over the last dim in float32, rounded to the input's dtype (HF:
 // softmax(scores, dtype=float32).to(dtype)); -inf entries become 0 and cost
-// nothing. The sum runs over the row in order, so masked (padding) columns
-// leave every bit unchanged.
+// nothing. The sum runs in 16 lanes counted from the row's first unmasked
+// column, then a fixed tree, so masked (padding) columns leave every bit
+// unchanged.
 at::Tensor softmax(const at::Tensor& scores);
 
 // z [B, T, H, D] = probs [B, H, T, L] · values [B, KV, capacity, D] (columns

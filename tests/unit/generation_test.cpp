@@ -3,11 +3,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 
 #include "common/error.h"
 #include "engine/bench.h"
 #include "engine/generator.h"
+#include "engine/sampler.h"
 #include "model/causal_lm.h"
 #include "test_util.h"
 
@@ -72,6 +74,34 @@ TEST_CASE("sampling: the same seed gives the same output, alone or batched") {
   }
   CHECK(differ_seed > 0);
   CHECK(differ_greedy > 0);
+}
+
+TEST_CASE("sampling: greedy picks std::max_element's index (ties, -inf, NaN, any length)") {
+  dmi::engine::Sampler greedy({}, 0);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  auto want = [](const at::Tensor& t) {
+    const float* x = t.data_ptr<float>();
+    return static_cast<std::int32_t>(std::max_element(x, x + t.numel()) - x);
+  };
+  at::manual_seed(3);
+  for (std::int64_t V : {1, 5, 16, 17, 40, 151936}) {
+    CAPTURE(V);
+    at::Tensor x = at::randn({V});
+    CHECK(greedy.next(x) == want(x));
+    at::Tensor ties = at::randint(0, 4, {V}).to(at::kFloat);  // many equal maxima: the first wins
+    CHECK(greedy.next(ties) == want(ties));
+    at::Tensor odd = at::randn({V});
+    odd.masked_fill_(at::rand({V}) < 0.3, nan);
+    odd.masked_fill_(at::rand({V}) < 0.3, -inf);
+    if (V > 1) odd[0] = 0.0f;
+    CHECK(greedy.next(odd) == want(odd));
+    odd[0] = nan;  // a NaN in front wins, as with std::max_element
+    CHECK(greedy.next(odd) == 0);
+    at::Tensor masked = at::full({V}, -inf);
+    CHECK(greedy.next(masked) == 0);
+    masked[V - 1] = 1.0f;
+    CHECK(greedy.next(masked) == V - 1);
+  }
 }
 
 TEST_CASE("generation: stops at EOS and at max_new_tokens; rejects bad prompts") {

@@ -1,13 +1,13 @@
 // dmi-inspect: query a dmi capture file. A thin front end over
 // sink::CaptureFile and analysis/.
 #include <ATen/ATen.h>
-#include <filesystem>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>

@@ -2,10 +2,10 @@
 
 #include <ATen/ATen.h>
 
-#include <filesystem>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <utility>

@@ -379,6 +379,12 @@ at::Tensor CaptureFile::read_block(const std::string& name, std::int64_t begin, 
   return read_selected(name, "data", rows, false);
 }
 
+at::Tensor CaptureFile::read_seq_block(const std::string& name, std::int64_t begin, std::int64_t n) const {
+  std::vector<std::int64_t> rows(static_cast<std::size_t>(n));
+  std::iota(rows.begin(), rows.end(), begin);
+  return read_selected(name, "seq", rows, true);
+}
+
 at::Tensor CaptureFile::read_ids(const std::string& name, const std::vector<std::int64_t>& rows) const {
   DMI_CHECK(site(name).layout == "topk", "{}: site {} stores full logits, not top-k ids", path_, name);
   return read_selected(name, "ids", rows, true);

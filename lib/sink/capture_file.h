@@ -81,6 +81,9 @@ class CaptureFile {
   at::Tensor read_rows(const std::string& site, const std::vector<std::int64_t>& rows) const;
   // A contiguous block of rows [begin, begin + n).
   at::Tensor read_block(const std::string& site, std::int64_t begin, std::int64_t n) const;
+  // The seq column of rows [begin, begin + n) as int32, read from the file
+  // (seq_of caches a site's whole index; this reads only the block).
+  at::Tensor read_seq_block(const std::string& site, std::int64_t begin, std::int64_t n) const;
   // topk sites: the ids [n, K] of those rows.
   at::Tensor read_ids(const std::string& site, const std::vector<std::int64_t>& rows) const;
 

@@ -185,25 +185,16 @@ void check_same(const Shard& first, const Shard& s) {
 // site's seq column a block at a time (not the reader's cached index: a
 // big shard has millions of rows per site).
 void check_rows(const Shard& s) {
-  for (const auto& e : s.f->sites()) {
-    H5Handle d{H5Dopen2(s.file, ("sites/" + e.name + "/seq").c_str(), H5P_DEFAULT), H5Dclose};
-    DMI_CHECK(d.id >= 0, "{}: /sites/{} has no seq", s.path, e.name);
-    H5Handle space{H5Dget_space(d.id), H5Sclose};
-    constexpr hsize_t kBlock = 1 << 20;
-    std::vector<std::int32_t> buf;
-    for (hsize_t at = 0; at < static_cast<hsize_t>(e.rows); at += kBlock) {
-      hsize_t count = std::min<hsize_t>(kBlock, static_cast<hsize_t>(e.rows) - at);
-      buf.resize(count);
-      H5Sselect_hyperslab(space.id, H5S_SELECT_SET, &at, nullptr, &count, nullptr);
-      H5Handle mem{H5Screate_simple(1, &count, nullptr), H5Sclose};
-      H5_CHECK(H5Dread(d.id, H5T_NATIVE_INT32, mem.id, space.id, H5P_DEFAULT, buf.data()),
-               "{}: cannot read /sites/{}/seq", s.path, e.name);
-      for (std::int32_t q : buf)
-        DMI_CHECK(q >= 0 && static_cast<std::size_t>(q) >= s.begin && static_cast<std::size_t>(q) < s.end,
+  constexpr std::int64_t kBlock = 1 << 20;
+  for (const auto& e : s.f->sites())
+    for (std::int64_t at = 0; at < e.rows; at += kBlock) {
+      const at::Tensor seq = s.f->read_seq_block(e.name, at, std::min(kBlock, e.rows - at));
+      const std::int32_t* q = seq.data_ptr<std::int32_t>();
+      for (std::int64_t i = 0; i < seq.numel(); ++i)
+        DMI_CHECK(q[i] >= 0 && static_cast<std::size_t>(q[i]) >= s.begin && static_cast<std::size_t>(q[i]) < s.end,
                   "{}: /sites/{} has rows of sequence {}, outside its shard's prompts {}..{}: corrupt shard", s.path,
-                  e.name, q, s.begin, s.end);
+                  e.name, q[i], s.begin, s.end);
     }
-  }
 }
 
 // One dataset of a site over all shards: virtual (a mapping per shard) or copied.

@@ -13,17 +13,17 @@ namespace {
 
 // Columns [c0, c0 + 8 S) of panel p for MR rows: S accumulators per row.
 template <int MR, int S>
-void strip_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, int64_t k1, float* out, bool first) {
+void strip_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, int64_t k1, float* out, bool first,
+                Prefetch pf) {
   const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel + 2 * c0;
   const float* x = static_cast<const float*>(a.x) + m0 * a.x_stride;
   const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   __m256 acc[MR][S];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < S; ++j) acc[r][j] = first ? _mm256_setzero_ps() : _mm256_load_ps(out + r * kPanel + c0 + 8 * j);
-  const bool pf = streams(m0);
   for (int64_t kp = k0; kp < k1; ++kp) {
     const uint16_t* wk = w + kp * 2 * kPanel;
-    if (pf) prefetch_ahead(wk);
+    pf.step();
     for (int r = 0; r < MR; ++r) {
       const __m256 b0 = _mm256_broadcast_ss(x + r * a.x_stride + 2 * kp);
       const __m256 b1 = _mm256_broadcast_ss(x + r * a.x_stride + 2 * kp + 1);
@@ -39,16 +39,16 @@ void strip_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, i
 }
 
 template <int MR, int S>
-void strip_f32w(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, int64_t k1, float* out, bool first) {
+void strip_f32w(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, int64_t k1, float* out, bool first,
+                Prefetch pf) {
   const float* w = static_cast<const float*>(a.w) + p * a.K * kPanel + c0;
   const float* x = static_cast<const float*>(a.x) + m0 * a.x_stride;
   __m256 acc[MR][S];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < S; ++j) acc[r][j] = first ? _mm256_setzero_ps() : _mm256_load_ps(out + r * kPanel + c0 + 8 * j);
-  const bool pf = streams(m0);
   for (int64_t k = k0; k < k1; ++k) {
     const float* wk = w + k * kPanel;
-    if (pf) prefetch_ahead(wk);
+    pf.step();
     for (int r = 0; r < MR; ++r) {
       const __m256 b = _mm256_broadcast_ss(x + r * a.x_stride + k);
       for (int j = 0; j < S; ++j) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(wk + 8 * j), b, acc[r][j]);
@@ -61,25 +61,29 @@ void strip_f32w(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, in
 }  // namespace
 
 void gemm_bf16w_avx2(const GemmArgs& a) {
-  drive<2>(a, a.K / 2, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first) {
+  drive<2>(a, a.K / 2, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
+                      Prefetch pf) {
     constexpr int MR = decltype(mr)::value;
     if constexpr (MR == 1) {
-      strip_bf16w<1, 8>(a, m, p, 0, k0, k1, acc, first);
-    } else {
-      strip_bf16w<MR, 4>(a, m, p, 0, k0, k1, acc, first);
-      strip_bf16w<MR, 4>(a, m, p, 32, k0, k1, acc, first);
+      strip_bf16w<1, 8>(a, m, p, 0, k0, k1, acc, first, pf);
+    } else {  // each strip prefetches half the tile's lines
+      const int64_t half = pf.lines / 2;
+      strip_bf16w<MR, 4>(a, m, p, 0, k0, k1, acc, first, Prefetch{pf.next, half, pf.units});
+      strip_bf16w<MR, 4>(a, m, p, 32, k0, k1, acc, first, Prefetch{pf.next + 64 * half, pf.lines - half, pf.units});
     }
   });
 }
 
 void gemm_f32w_avx2(const GemmArgs& a) {
-  drive<2>(a, a.K, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first) {
+  drive<2>(a, a.K, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
+                      Prefetch pf) {
     constexpr int MR = decltype(mr)::value;
     if constexpr (MR == 1) {
-      strip_f32w<1, 8>(a, m, p, 0, k0, k1, acc, first);
-    } else {
-      strip_f32w<MR, 4>(a, m, p, 0, k0, k1, acc, first);
-      strip_f32w<MR, 4>(a, m, p, 32, k0, k1, acc, first);
+      strip_f32w<1, 8>(a, m, p, 0, k0, k1, acc, first, pf);
+    } else {  // each strip prefetches half the tile's lines
+      const int64_t half = pf.lines / 2;
+      strip_f32w<MR, 4>(a, m, p, 0, k0, k1, acc, first, Prefetch{pf.next, half, pf.units});
+      strip_f32w<MR, 4>(a, m, p, 32, k0, k1, acc, first, Prefetch{pf.next + 64 * half, pf.lines - half, pf.units});
     }
   });
 }

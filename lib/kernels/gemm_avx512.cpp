@@ -10,17 +10,17 @@ namespace dmi::kernels::detail {
 namespace {
 
 template <int MR>
-void tile_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, float* out, bool first) {
+void tile_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, float* out, bool first,
+                Prefetch pf) {
   const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel;
   const float* x = static_cast<const float*>(a.x) + m0 * a.x_stride;
   const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   __m512 acc[MR][4];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(out + r * kPanel + 16 * j);
-  const bool pf = streams(m0);
   for (int64_t kp = k0; kp < k1; ++kp) {
     const uint16_t* wk = w + kp * 2 * kPanel;
-    if (pf) prefetch_ahead(wk);
+    pf.step();
     __m512 even[4], odd[4];
     for (int j = 0; j < 4; ++j) {
       const __m512i v = _mm512_loadu_si512(wk + 32 * j);
@@ -41,16 +41,16 @@ void tile_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1
 }
 
 template <int MR>
-void tile_f32w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, float* out, bool first) {
+void tile_f32w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, float* out, bool first,
+                Prefetch pf) {
   const float* w = static_cast<const float*>(a.w) + p * a.K * kPanel;
   const float* x = static_cast<const float*>(a.x) + m0 * a.x_stride;
   __m512 acc[MR][4];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(out + r * kPanel + 16 * j);
-  const bool pf = streams(m0);
   for (int64_t k = k0; k < k1; ++k) {
     const float* wk = w + k * kPanel;
-    if (pf) prefetch_ahead(wk);
+    pf.step();
     __m512 wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(wk + 16 * j);
     for (int r = 0; r < MR; ++r) {
@@ -65,14 +65,16 @@ void tile_f32w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1,
 }  // namespace
 
 void gemm_bf16w_avx512(const GemmArgs& a) {
-  drive<4>(a, a.K / 2, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first) {
-    tile_bf16w<decltype(mr)::value>(a, m, p, k0, k1, acc, first);
+  drive<4>(a, a.K / 2, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
+                      Prefetch pf) {
+    tile_bf16w<decltype(mr)::value>(a, m, p, k0, k1, acc, first, pf);
   });
 }
 
 void gemm_f32w_avx512(const GemmArgs& a) {
-  drive<6>(a, a.K, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first) {
-    tile_f32w<decltype(mr)::value>(a, m, p, k0, k1, acc, first);
+  drive<6>(a, a.K, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
+                      Prefetch pf) {
+    tile_f32w<decltype(mr)::value>(a, m, p, k0, k1, acc, first, pf);
   });
 }
 

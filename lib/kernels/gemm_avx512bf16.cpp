@@ -11,16 +11,16 @@ namespace dmi::kernels::detail {
 namespace {
 
 template <int MR>
-void tile(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, float* out, bool first) {
+void tile(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, float* out, bool first,
+                Prefetch pf) {
   const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel;
   const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * a.x_stride;
   __m512 acc[MR][4];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(out + r * kPanel + 16 * j);
-  const bool pf = streams(m0);
   for (int64_t kp = k0; kp < k1; ++kp) {
     const uint16_t* wk = w + kp * 2 * kPanel;
-    if (pf) prefetch_ahead(wk);
+    pf.step();
     __m512bh wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wk + 32 * j);
     for (int r = 0; r < MR; ++r) {
@@ -37,8 +37,9 @@ void tile(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, floa
 }  // namespace
 
 void gemm_bf16w_avx512bf16(const GemmArgs& a) {
-  drive<6>(a, a.K / 2, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first) {
-    tile<decltype(mr)::value>(a, m, p, k0, k1, acc, first);
+  drive<6>(a, a.K / 2, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
+                      Prefetch pf) {
+    tile<decltype(mr)::value>(a, m, p, k0, k1, acc, first, pf);
   });
 }
 

@@ -36,15 +36,26 @@ constexpr int64_t kRowBlock = 128;
 // 2 alternating rounds on a quiet machine) its TPOT was worse at batch 1
 // and 8 in every round (25.3/26.0 vs 24.8/24.1 ms at batch 1): kept at 16.
 constexpr int64_t kPrefetch = 16384;
-// Only the first tile of a row block prefetches: it brings the panel in from
-// memory, the block's other tiles find it in cache.
-static inline bool streams(int64_t m0) { return m0 % kRowBlock == 0; }
+// One k unit of a panel (a bf16 pair or one fp32 k, 64 columns) is 256 bytes.
+constexpr int64_t kUnitBytes = 256;
 
-// Prefetches the 256 bytes (four cache lines) kPrefetch ahead of p.
-static inline void prefetch_ahead(const void* p) {
-  const char* c = static_cast<const char*>(p) + kPrefetch;
-  for (int i = 0; i < 4; ++i) __builtin_prefetch(c + 64 * i, 0, 3);
-}
+// The weight lines one tile prefetches, kPrefetch ahead of where it reads:
+// step() once per k unit issues lines/units prefetches on average, evenly.
+// Whole-depth tiles issue the four lines of one unit per step. Decode-sized
+// batches share each k block's lines among their tiles in proportion to
+// their rows, so that memory is asked for at a steady rate while the tiles
+// compute; when only the first tile prefetched, memory idled while the
+// others reused the block from L1.
+struct Prefetch {
+  const char* next = nullptr;
+  int64_t lines = 0, units = 1, debt = 0;
+  inline void step() {
+    for (debt += lines; debt >= units; debt -= units) {
+      __builtin_prefetch(next, 0, 3);
+      next += 64;
+    }
+  }
+};
 
 struct GemmArgs {
   const void* x = nullptr;  // [M, x_stride]: bf16 (uint16) for the bf16-dot kernel, else float
@@ -131,8 +142,8 @@ static inline void store_tile(const GemmArgs& a, int64_t m0, int mr, int64_t p, 
 // MaxMR rows over the whole depth.
 // Decode-sized batches (more than one tile, at most kSmallM rows): every tile
 // of a panel walks it kKBlock units at a time, so the weights stream from
-// memory once and without pause (the first tile prefetches; the others find
-// the block in L1). Whole-depth tiles would leave memory idle while the
+// memory once and without pause (the tiles share the prefetches of the block
+// kPrefetch ahead, by rows; each finds the current block in L1). Whole-depth tiles would leave memory idle while the
 // second tile re-read the panel from L2 (~9 % of a batch-8 decode step).
 constexpr int64_t kSmallM = 32;
 constexpr int64_t kKBlock = 32;  // 8 KiB of a panel: 64 columns x 32 bf16 pairs or 32 floats
@@ -160,23 +171,33 @@ static inline void for_tiles(int64_t mb, int64_t me, Fn fn) {
 
 template <int MaxMR, class Tile>
 static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
+  constexpr int64_t kLines = kUnitBytes / 64;
+  auto panel = [&](int64_t p) { return static_cast<const char*>(a.w) + p * units * kUnitBytes; };
   if (a.M > MaxMR && a.M <= kSmallM) {
     alignas(64) float acc[kSmallM * kPanel];
     for (int64_t p = a.panel_begin; p < a.panel_end; ++p) {
       for (int64_t k0 = 0; k0 < units; k0 += kKBlock) {
         const int64_t k1 = units < k0 + kKBlock ? units : k0 + kKBlock;
-        for_tiles<MaxMR>(0, a.M, [&](auto mr, int64_t m) { tile(mr, m, p, k0, k1, acc + m * kPanel, k0 == 0); });
+        const int64_t lines = (k1 - k0) * kLines;
+        const char* ahead = panel(p) + k0 * kUnitBytes + kPrefetch;
+        for_tiles<MaxMR>(0, a.M, [&](auto mr, int64_t m) {
+          const int64_t lo = m * lines / a.M, hi = (m + decltype(mr)::value) * lines / a.M;
+          tile(mr, m, p, k0, k1, acc + m * kPanel, k0 == 0, Prefetch{ahead + 64 * lo, hi - lo, k1 - k0});
+        });
       }
       store_tile(a, 0, static_cast<int>(a.M), p, acc);
     }
     return;
   }
+  // Whole-depth tiles: the first tile of each row block brings the panel in
+  // from memory, the block's other tiles find it in cache.
   alignas(64) float acc[MaxMR * kPanel];
   for (int64_t mb = 0; mb < a.M; mb += kRowBlock) {
     const int64_t me = a.M < mb + kRowBlock ? a.M : mb + kRowBlock;
     for (int64_t p = a.panel_begin; p < a.panel_end; ++p)
       for_tiles<MaxMR>(mb, me, [&](auto mr, int64_t m) {
-        tile(mr, m, p, 0, units, acc, true);
+        const int64_t lines = m % kRowBlock == 0 ? units * kLines : 0;
+        tile(mr, m, p, 0, units, acc, true, Prefetch{panel(p) + kPrefetch, lines, units});
         store_tile(a, m, decltype(mr)::value, p, acc);
       });
   }

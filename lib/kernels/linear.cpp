@@ -47,10 +47,24 @@ Isa detect_isa() {
   return best;
 }
 
+Isa default_isa() {
+  const Isa best = detect_isa();
+  // Intel's vdpbf16ps does half the multiply-adds per cycle of its fp32 FMA
+  // (Xeon family 6 model 207, AVX512-BF16 without AMX exposed: 1.3 G
+  // vdpbf16ps/s = 83 GFLOP/s per core against 5.3 G FMA/s = 171), so the
+  // widening FMA kernels are faster there once compute counts: batch 8 and
+  // prefill (docs/benchmarks.md, 2026-12-02 Intel). AMD's Zen 4 runs
+  // vdpbf16ps at 6.2 G/s, where it is the fastest choice. Decided by the
+  // vendor, never by a timing, so the same machine always computes the same
+  // bits.
+  if (best == Isa::avx512_bf16 && __builtin_cpu_is("intel")) return Isa::avx512;
+  return best;
+}
+
 Isa selected_isa() {
   const Isa best = detect_isa();
   const char* env = std::getenv("DMI_KERNELS");
-  if (!env || !*env) return best;
+  if (!env || !*env) return default_isa();
   const Isa want = parse_isa(env);
   DMI_CHECK(want == Isa::aten || static_cast<int>(want) <= static_cast<int>(best),
             "DMI_KERNELS={}: this CPU supports up to {}", env, isa_name(best));

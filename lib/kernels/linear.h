@@ -23,7 +23,10 @@ const char* isa_name(Isa isa);
 Isa parse_isa(const std::string& name);
 // The best kernels this CPU (and OS) supports.
 Isa detect_isa();
-// detect_isa(), lowered to $DMI_KERNELS when that names a supported choice
+// What runs by default: detect_isa(), except that Intel CPUs with
+// AVX512-BF16 run the avx512 kernels (bf16 widened, fp32 FMA), faster there.
+Isa default_isa();
+// default_isa(), or $DMI_KERNELS when that names a choice this CPU supports
 // (aten selects at::linear); an unknown or unsupported value is an error.
 Isa selected_isa();
 // One line for logs and benchmark reports: "avx512_bf16 (vdpbf16ps), 2 threads".

@@ -23,7 +23,7 @@ void strip_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, i
     for (int j = 0; j < S; ++j) acc[r][j] = first ? _mm256_setzero_ps() : _mm256_load_ps(out + r * kPanel + c0 + 8 * j);
   for (int64_t kp = k0; kp < k1; ++kp) {
     const uint16_t* wk = w + kp * 2 * kPanel;
-    pf.step();
+    pf.at(wk - 2 * c0);  // the unit's first line
     for (int r = 0; r < MR; ++r) {
       const __m256 b0 = _mm256_broadcast_ss(x + r * a.x_stride + 2 * kp);
       const __m256 b1 = _mm256_broadcast_ss(x + r * a.x_stride + 2 * kp + 1);
@@ -48,7 +48,7 @@ void strip_f32w(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, in
     for (int j = 0; j < S; ++j) acc[r][j] = first ? _mm256_setzero_ps() : _mm256_load_ps(out + r * kPanel + c0 + 8 * j);
   for (int64_t k = k0; k < k1; ++k) {
     const float* wk = w + k * kPanel;
-    pf.step();
+    pf.at(wk - c0);
     for (int r = 0; r < MR; ++r) {
       const __m256 b = _mm256_broadcast_ss(x + r * a.x_stride + k);
       for (int j = 0; j < S; ++j) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(wk + 8 * j), b, acc[r][j]);
@@ -67,9 +67,9 @@ void gemm_bf16w_avx2(const GemmArgs& a) {
     if constexpr (MR == 1) {
       strip_bf16w<1, 8>(a, m, p, 0, k0, k1, acc, first, pf);
     } else {  // each strip prefetches half the tile's lines
-      const int64_t half = pf.lines / 2;
-      strip_bf16w<MR, 4>(a, m, p, 0, k0, k1, acc, first, Prefetch{pf.next, half, pf.units});
-      strip_bf16w<MR, 4>(a, m, p, 32, k0, k1, acc, first, Prefetch{pf.next + 64 * half, pf.lines - half, pf.units});
+      const int mid = (pf.lo + pf.hi) / 2;
+      strip_bf16w<MR, 4>(a, m, p, 0, k0, k1, acc, first, Prefetch{pf.lo, mid});
+      strip_bf16w<MR, 4>(a, m, p, 32, k0, k1, acc, first, Prefetch{mid, pf.hi});
     }
   });
 }
@@ -81,9 +81,9 @@ void gemm_f32w_avx2(const GemmArgs& a) {
     if constexpr (MR == 1) {
       strip_f32w<1, 8>(a, m, p, 0, k0, k1, acc, first, pf);
     } else {  // each strip prefetches half the tile's lines
-      const int64_t half = pf.lines / 2;
-      strip_f32w<MR, 4>(a, m, p, 0, k0, k1, acc, first, Prefetch{pf.next, half, pf.units});
-      strip_f32w<MR, 4>(a, m, p, 32, k0, k1, acc, first, Prefetch{pf.next + 64 * half, pf.lines - half, pf.units});
+      const int mid = (pf.lo + pf.hi) / 2;
+      strip_f32w<MR, 4>(a, m, p, 0, k0, k1, acc, first, Prefetch{pf.lo, mid});
+      strip_f32w<MR, 4>(a, m, p, 32, k0, k1, acc, first, Prefetch{mid, pf.hi});
     }
   });
 }

@@ -20,7 +20,7 @@ void tile_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1
     for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(out + r * kPanel + 16 * j);
   for (int64_t kp = k0; kp < k1; ++kp) {
     const uint16_t* wk = w + kp * 2 * kPanel;
-    pf.step();
+    pf.at(wk);
     __m512 even[4], odd[4];
     for (int j = 0; j < 4; ++j) {
       const __m512i v = _mm512_loadu_si512(wk + 32 * j);
@@ -50,7 +50,7 @@ void tile_f32w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1,
     for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(out + r * kPanel + 16 * j);
   for (int64_t k = k0; k < k1; ++k) {
     const float* wk = w + k * kPanel;
-    pf.step();
+    pf.at(wk);
     __m512 wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(wk + 16 * j);
     for (int r = 0; r < MR; ++r) {

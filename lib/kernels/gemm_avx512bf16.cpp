@@ -20,7 +20,7 @@ void tile(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, floa
     for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(out + r * kPanel + 16 * j);
   for (int64_t kp = k0; kp < k1; ++kp) {
     const uint16_t* wk = w + kp * 2 * kPanel;
-    pf.step();
+    pf.at(wk);
     __m512bh wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wk + 32 * j);
     for (int r = 0; r < MR; ++r) {

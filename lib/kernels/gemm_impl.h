@@ -36,23 +36,24 @@ constexpr int64_t kRowBlock = 128;
 // 2 alternating rounds on a quiet machine) its TPOT was worse at batch 1
 // and 8 in every round (25.3/26.0 vs 24.8/24.1 ms at batch 1): kept at 16.
 constexpr int64_t kPrefetch = 16384;
-// One k unit of a panel (a bf16 pair or one fp32 k, 64 columns) is 256 bytes.
-constexpr int64_t kUnitBytes = 256;
+// One k unit of a panel (a bf16 pair or one fp32 k, 64 columns) is 256
+// bytes: four cache lines.
+constexpr int kUnitLines = 4;
 
-// The weight lines one tile prefetches, kPrefetch ahead of where it reads:
-// step() once per k unit issues lines/units prefetches on average, evenly.
-// Whole-depth tiles issue the four lines of one unit per step. Decode-sized
-// batches share each k block's lines among their tiles in proportion to
-// their rows, so that memory is asked for at a steady rate while the tiles
-// compute; when only the first tile prefetched, memory idled while the
-// others reused the block from L1.
+// Which of the four cache lines of each k unit a tile prefetches, kPrefetch
+// ahead of the unit it reads: lines [lo, hi). A whole-depth tile that
+// streams a panel takes all four, the others none. Decode-sized batches
+// share each unit's lines among their tiles by rows, so that memory is asked
+// for at a steady rate while all the tiles compute; when only the first tile
+// prefetched, memory idled while the others reused the block from L1.
 struct Prefetch {
-  const char* next = nullptr;
-  int64_t lines = 0, units = 1, debt = 0;
-  inline void step() {
-    for (debt += lines; debt >= units; debt -= units) {
-      __builtin_prefetch(next, 0, 3);
-      next += 64;
+  int lo = 0, hi = 0;
+  inline void at(const void* unit) const {
+    const char* c = static_cast<const char*>(unit) + kPrefetch;
+    if (hi - lo == kUnitLines) {
+      for (int i = 0; i < kUnitLines; ++i) __builtin_prefetch(c + 64 * i, 0, 3);
+    } else {
+      for (int i = lo; i < hi; ++i) __builtin_prefetch(c + 64 * i, 0, 3);
     }
   }
 };
@@ -171,18 +172,15 @@ static inline void for_tiles(int64_t mb, int64_t me, Fn fn) {
 
 template <int MaxMR, class Tile>
 static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
-  constexpr int64_t kLines = kUnitBytes / 64;
-  auto panel = [&](int64_t p) { return static_cast<const char*>(a.w) + p * units * kUnitBytes; };
   if (a.M > MaxMR && a.M <= kSmallM) {
     alignas(64) float acc[kSmallM * kPanel];
     for (int64_t p = a.panel_begin; p < a.panel_end; ++p) {
       for (int64_t k0 = 0; k0 < units; k0 += kKBlock) {
         const int64_t k1 = units < k0 + kKBlock ? units : k0 + kKBlock;
-        const int64_t lines = (k1 - k0) * kLines;
-        const char* ahead = panel(p) + k0 * kUnitBytes + kPrefetch;
         for_tiles<MaxMR>(0, a.M, [&](auto mr, int64_t m) {
-          const int64_t lo = m * lines / a.M, hi = (m + decltype(mr)::value) * lines / a.M;
-          tile(mr, m, p, k0, k1, acc + m * kPanel, k0 == 0, Prefetch{ahead + 64 * lo, hi - lo, k1 - k0});
+          const int64_t rows = decltype(mr)::value;
+          const Prefetch pf{static_cast<int>(m * kUnitLines / a.M), static_cast<int>((m + rows) * kUnitLines / a.M)};
+          tile(mr, m, p, k0, k1, acc + m * kPanel, k0 == 0, pf);
         });
       }
       store_tile(a, 0, static_cast<int>(a.M), p, acc);
@@ -196,8 +194,7 @@ static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
     const int64_t me = a.M < mb + kRowBlock ? a.M : mb + kRowBlock;
     for (int64_t p = a.panel_begin; p < a.panel_end; ++p)
       for_tiles<MaxMR>(mb, me, [&](auto mr, int64_t m) {
-        const int64_t lines = m % kRowBlock == 0 ? units * kLines : 0;
-        tile(mr, m, p, 0, units, acc, true, Prefetch{panel(p) + kPrefetch, lines, units});
+        tile(mr, m, p, 0, units, acc, true, m % kRowBlock == 0 ? Prefetch{0, kUnitLines} : Prefetch{});
         store_tile(a, m, decltype(mr)::value, p, acc);
       });
   }

@@ -4,6 +4,10 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include <cstdlib>
+#include <fstream>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "common/error.h"
@@ -110,6 +114,33 @@ TEST_CASE("kernels: fused projections equal the separate ones; leading dims kept
   }
   CHECK_THROWS_AS(dmi::kernels::parse_isa("avx9"), dmi::Error);
   CHECK(dmi::kernels::parse_isa("avx2") == Isa::avx2);
+}
+
+TEST_CASE("kernels: Intel CPUs default to the FMA kernels; DMI_KERNELS sets the choice up to the CPU's best") {
+  using namespace dmi::kernels;
+  std::string vendor;  // read from /proc/cpuinfo, not through the compiler's builtin the library uses
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; vendor.empty() && std::getline(cpuinfo, line);)
+    if (line.rfind("vendor_id", 0) == 0) vendor = line.substr(line.find(':') + 2);
+  REQUIRE(!vendor.empty());
+  const Isa best = detect_isa();
+  const Isa want = best == Isa::avx512_bf16 && vendor == "GenuineIntel" ? Isa::avx512 : best;
+  CHECK(default_isa() == want);
+
+  const char* env = std::getenv("DMI_KERNELS");
+  const std::optional<std::string> saved = env ? std::optional<std::string>(env) : std::nullopt;
+  ::unsetenv("DMI_KERNELS");
+  CHECK(selected_isa() == default_isa());
+  ::setenv("DMI_KERNELS", isa_name(best), 1);
+  CHECK(selected_isa() == best);  // avx512_bf16 stays selectable on Intel
+  ::setenv("DMI_KERNELS", "scalar", 1);
+  CHECK(selected_isa() == Isa::scalar);
+  if (best != Isa::avx512_bf16) {
+    ::setenv("DMI_KERNELS", "avx512_bf16", 1);
+    CHECK_THROWS_AS(selected_isa(), dmi::Error);
+  }
+  if (saved) ::setenv("DMI_KERNELS", saved->c_str(), 1);
+  else ::unsetenv("DMI_KERNELS");
 }
 
 TEST_CASE("kernels: aten (at::linear) stays available for comparison") {

@@ -110,7 +110,7 @@ int main(int argc, char** argv) {
                  "default resid-norm; token-range spans only)")->allow_extra_args(false);
   app.add_flag("-q,--quiet", quiet, "no progress on stderr");
   if (int rc = dmi::apps::parse_args("dmi-bench", app, argc, argv); rc >= 0) return rc;
-  dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(dtype));
+  dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(dtype, model_dir));
   return dmi::apps::guarded("dmi-bench", [&] {
     threads = dmi::engine::configure_threads(threads);
     cfg.batch_sizes = parse_ints(batches, "--batch-sizes");

@@ -264,7 +264,7 @@ int main(int argc, char** argv) {
   dmi::apps::add_progress_every(app, a.progress_every);
   if (int rc = dmi::apps::parse_args("dmi-patch", app, argc, argv); rc >= 0) return rc;
   for (int i = 0; i < argc; ++i) a.command_line += (i ? " " : "") + std::string(argv[i]);
-  dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(a.dtype));
+  dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(a.dtype, a.model));
   dmi::apps::install_stop_signals();
   return dmi::apps::guarded("dmi-patch", [&] { return run(a); });
 }

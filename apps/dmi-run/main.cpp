@@ -586,7 +586,7 @@ int main(int argc, char** argv) {
   std::string dtype_for_env = a.dtype;
   if (replaying)
     if (auto d = dmi::engine::recorded_compute_dtype(a.replay); !d.empty()) dtype_for_env = d;
-  dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(dtype_for_env));
+  dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(dtype_for_env, a.model));
   // With --verify, status 1 means "different": internal errors are 2 then.
   if (replaying) return dmi::apps::guarded("dmi-run", [&] { return run_replay(a); }, a.verify ? 2 : 1);
   return dmi::apps::guarded("dmi-run", [&] { return run(a); });

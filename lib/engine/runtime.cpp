@@ -7,6 +7,7 @@
 #include <torch/version.h>
 #include <dlfcn.h>
 #include <malloc.h>
+#include <sys/stat.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -103,6 +104,15 @@ std::string environment_json(int threads) {
   j["openblas_core"] = core ? std::string(core()) : std::string("unknown");
   j["threads"] = threads;
   return j.dump();
+}
+
+MathOwner math_owner_for(const std::string& dtype, const std::string& model) {
+  if (dtype != "float32") return MathOwner::openmp;
+  struct stat st {};
+  const bool torchscript = !model.empty() && ::stat(model.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  const char* kernels = std::getenv("DMI_KERNELS");
+  const bool aten = kernels && std::string(kernels) == "aten";
+  return torchscript || aten ? MathOwner::openblas : MathOwner::openmp;
 }
 
 void prepare_process_env(int argc, char** argv, MathOwner owner) {

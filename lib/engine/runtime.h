@@ -1,14 +1,17 @@
 // Process-wide runtime set-up: who owns the CPU threads.
 //
-// Two pools can run dmi's math: torch's OpenMP pool (elementwise ops, and the
-// oneDNN matmuls of bfloat16) and OpenBLAS's pthreads (float32 GEMM). On a
-// 2-core machine they busy-wait against each other. dmi decides by compute
-// dtype:
-//   * bfloat16: OpenMP owns the cores and spins between ops (oneDNN's matmuls
-//     and the elementwise ops alternate quickly); OpenBLAS is idle;
-//   * float32: OpenMP threads sleep when idle (OMP_WAIT_POLICY=PASSIVE) so
-//     that OpenBLAS's GEMM threads get the cores; measured on this machine:
-//     float32 prefill 2x faster, while the same setting slows bfloat16 decode.
+// Two pools can run dmi's math: torch's OpenMP pool (dmi's kernels, ATen's
+// elementwise ops, oneDNN's bfloat16 matmuls) and OpenBLAS's pthreads (ATen's
+// float32 GEMM). On a 2-core machine they busy-wait against each other. dmi
+// decides by who runs the projections:
+//   * dmi's kernels (HF models, any dtype): OpenMP owns the cores and spins
+//     between regions. float32 with sleeping OpenMP threads had ~8 % of a
+//     decode profile in the kernel's scheduler (wake-ups), and TPOT was 12-20 %
+//     longer at batch 1 and 8 (docs/benchmarks.md, 2026-12-02 Intel);
+//   * ATen at float32 (TorchScript models, or DMI_KERNELS=aten): OpenMP
+//     threads sleep when idle (OMP_WAIT_POLICY=PASSIVE) so that OpenBLAS's
+//     GEMM threads get the cores (float32 prefill was 2x faster so);
+//   * ATen at bfloat16: oneDNN runs on the OpenMP pool, which spins.
 // OpenBLAS also gets OPENBLAS_CORETYPE for this CPU (Debian's 0.3.21 does not
 // recognise it and would pick generic kernels). Both libraries read these
 // variables when they load, before main(), so prepare_process_env()
@@ -20,9 +23,10 @@
 namespace dmi::engine {
 
 enum class MathOwner { openmp, openblas };
-inline MathOwner math_owner_for(const std::string& dtype) {
-  return dtype == "float32" ? MathOwner::openblas : MathOwner::openmp;
-}
+// model: the --model argument (empty: the embedded HF model); a regular file
+// is a TorchScript archive, run by ATen. Reads DMI_KERNELS (only whether it
+// says aten: a bad value is reported later, by the kernels).
+MathOwner math_owner_for(const std::string& dtype, const std::string& model);
 
 // Call in main() before any tensor work. Unless already done, sets the
 // variables above and re-executes /proc/self/exe with the same argv (returns

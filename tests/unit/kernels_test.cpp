@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "engine/runtime.h"
 #include "kernels/linear.h"
 
 using dmi::kernels::Isa;
@@ -139,6 +140,27 @@ TEST_CASE("kernels: Intel CPUs default to the FMA kernels; DMI_KERNELS sets the 
     ::setenv("DMI_KERNELS", "avx512_bf16", 1);
     CHECK_THROWS_AS(selected_isa(), dmi::Error);
   }
+  if (saved) ::setenv("DMI_KERNELS", saved->c_str(), 1);
+  else ::unsetenv("DMI_KERNELS");
+}
+
+TEST_CASE("runtime: OpenMP owns the cores wherever dmi's kernels run the projections, OpenBLAS for ATen's float32") {
+  using dmi::engine::MathOwner;
+  using dmi::engine::math_owner_for;
+  const char* env = std::getenv("DMI_KERNELS");
+  const std::optional<std::string> saved = env ? std::optional<std::string>(env) : std::nullopt;
+  ::unsetenv("DMI_KERNELS");
+  const std::string hf_dir = "/tmp", torchscript_file = "/proc/self/exe";  // a directory; a regular file
+  CHECK(math_owner_for("bfloat16", hf_dir) == MathOwner::openmp);
+  CHECK(math_owner_for("bfloat16", torchscript_file) == MathOwner::openmp);
+  CHECK(math_owner_for("float32", "") == MathOwner::openmp);  // the embedded model
+  CHECK(math_owner_for("float32", hf_dir) == MathOwner::openmp);
+  CHECK(math_owner_for("float32", torchscript_file) == MathOwner::openblas);
+  ::setenv("DMI_KERNELS", "aten", 1);
+  CHECK(math_owner_for("float32", hf_dir) == MathOwner::openblas);
+  CHECK(math_owner_for("bfloat16", hf_dir) == MathOwner::openmp);
+  ::setenv("DMI_KERNELS", "avx2", 1);
+  CHECK(math_owner_for("float32", hf_dir) == MathOwner::openmp);
   if (saved) ::setenv("DMI_KERNELS", saved->c_str(), 1);
   else ::unsetenv("DMI_KERNELS");
 }

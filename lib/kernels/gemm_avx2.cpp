@@ -14,7 +14,7 @@ namespace {
 // Columns [c0, c0 + 8 S) of panel p for MR rows: S accumulators per row.
 template <int MR, int S>
 void strip_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, int64_t k1, float* out, bool first,
-                Prefetch pf) {
+                 Prefetch pf) {
   const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel + 2 * c0;
   const float* x = static_cast<const float*>(a.x) + m0 * a.x_stride;
   const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));

@@ -42,7 +42,7 @@ void tile_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1
 
 template <int MR>
 void tile_f32w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, float* out, bool first,
-                Prefetch pf) {
+               Prefetch pf) {
   const float* w = static_cast<const float*>(a.w) + p * a.K * kPanel;
   const float* x = static_cast<const float*>(a.x) + m0 * a.x_stride;
   __m512 acc[MR][4];

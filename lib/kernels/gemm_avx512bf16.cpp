@@ -12,7 +12,7 @@ namespace {
 
 template <int MR>
 void tile(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, float* out, bool first,
-                Prefetch pf) {
+          Prefetch pf) {
   const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel;
   const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * a.x_stride;
   __m512 acc[MR][4];

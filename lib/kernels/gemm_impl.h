@@ -143,9 +143,10 @@ static inline void store_tile(const GemmArgs& a, int64_t m0, int mr, int64_t p, 
 // MaxMR rows over the whole depth.
 // Decode-sized batches (more than one tile, at most kSmallM rows): every tile
 // of a panel walks it kKBlock units at a time, so the weights stream from
-// memory once and without pause (the tiles share the prefetches of the block
-// kPrefetch ahead, by rows; each finds the current block in L1). Whole-depth tiles would leave memory idle while the
-// second tile re-read the panel from L2 (~9 % of a batch-8 decode step).
+// memory once and without pause (the tiles share each unit's prefetches by
+// rows; each finds the current block in L1). Whole-depth tiles would leave
+// memory idle while the second tile re-read the panel from L2 (~9 % of a
+// batch-8 decode step).
 constexpr int64_t kSmallM = 32;
 constexpr int64_t kKBlock = 32;  // 8 KiB of a panel: 64 columns x 32 bf16 pairs or 32 floats
 

@@ -171,8 +171,14 @@ std::vector<std::string> environment_differences(const json& recorded, const jso
   std::vector<std::string> out;
   if (!recorded.is_object()) return out;
   for (const char* key : {"libtorch_version", "cpu_flags", "dmi_kernels", "aten_cpu_capability", "onednn_isa", "openblas_core"})
-    if (recorded.contains(key) && recorded[key] != now[key])
-      out.push_back(fmt::format("{}: recorded {}, now {}", key, recorded[key].dump(), now[key].dump()));
+    if (recorded.contains(key) && recorded[key] != now[key]) {
+      std::string d = fmt::format("{}: recorded {}, now {}", key, recorded[key].dump(), now[key].dump());
+      // The default kernels can change with dmi's version (kernels::default_isa).
+      if (std::string(key) == "dmi_kernels" && recorded[key].is_string())
+        d += fmt::format("; DMI_KERNELS={} selects the recorded ones where the CPU has them",
+                         recorded[key].get<std::string>());
+      out.push_back(d);
+    }
   return out;
 }
 

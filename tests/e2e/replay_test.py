@@ -36,19 +36,19 @@ def fail(msg):
     sys.exit(1)
 
 
-def dmi(*args, expect_rc=0, timeout=600):
-    r = subprocess.run([dmi_run, *args], capture_output=True, text=True, timeout=timeout)
+def dmi(*args, expect_rc=0, timeout=600, env=None):
+    r = subprocess.run([dmi_run, *args], capture_output=True, text=True, timeout=timeout, env=env)
     if expect_rc is not None and r.returncode != expect_rc:
         fail(f"dmi-run {' '.join(args)}: exit {r.returncode}, want {expect_rc}\nstdout: {r.stdout[-2000:]}\n"
              f"stderr: {r.stderr[-2000:]}")
     return r
 
 
-def capture(out, *extra, model=MODEL, prompts=PROMPTS, batch=3):
+def capture(out, *extra, model=MODEL, prompts=PROMPTS, batch=3, env=None):
     args = ["-q", "--model", model, "-n", str(N_NEW), "--batch-size", str(batch), "-o", out]
     for p in prompts:
         args += ["--prompt-ids", ",".join(map(str, p))]
-    dmi(*args, *extra)
+    dmi(*args, *extra, env=env)
 
 
 def as_str(x):
@@ -319,6 +319,30 @@ elif case == "version1":
         fail(f"no version-1 warning: {r.stderr!r}")
     identical(src, out)
     print("version-1 capture replays")
+elif case == "kernels":
+    # A capture made on other linear kernels (DMI_KERNELS=scalar; the default
+    # differs wherever the CPU has AVX2): the replay warns, naming the
+    # recorded kernels and how to select them; with DMI_KERNELS as recorded
+    # there is no such warning and the replay is bit-identical.
+    flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "").split()
+    if "avx2" not in flags or "fma" not in flags:
+        print("skipped: without AVX2+FMA the default kernels are the scalar ones")
+        print("ok")
+        sys.exit(0)
+    scalar = dict(os.environ, DMI_KERNELS="scalar")
+    default = {k: v for k, v in os.environ.items() if k != "DMI_KERNELS"}
+    src = os.path.join(tmp, "src.h5")
+    capture(src, "--hooks", "residual", "--dtype", "bfloat16", env=scalar)
+    r = dmi("--replay", src, "-o", os.path.join(tmp, "default.h5"), "--json", env=default)
+    warnings = json.loads(r.stdout)["replay"]["warnings"]
+    hint = [w for w in warnings if w.startswith('environment differs (dmi_kernels: recorded "scalar"')]
+    if len(hint) != 1 or "DMI_KERNELS=scalar selects the recorded ones" not in hint[0]:
+        fail(f"default kernels: warnings {warnings}")
+    r = dmi("--replay", src, "--verify", "-o", os.path.join(tmp, "scalar.h5"), "--json", env=scalar)
+    j = json.loads(r.stdout)["replay"]
+    if any("dmi_kernels" in w for w in j["warnings"]) or not (j["verify"]["equal"] and j["verify"]["bitwise"]):
+        fail(f"DMI_KERNELS=scalar: warnings {j['warnings']}, verify {j['verify']['equal']} {j['verify']['bitwise']}")
+    print("other kernels: warned with", hint[0])
 elif case == "bad-input":
     src = os.path.join(tmp, "src.h5")
     capture(src, "--hooks", "resid_post")

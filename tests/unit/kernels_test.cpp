@@ -117,6 +117,19 @@ TEST_CASE("kernels: fused projections equal the separate ones; leading dims kept
   CHECK(dmi::kernels::parse_isa("avx2") == Isa::avx2);
 }
 
+// Unsets $DMI_KERNELS for a test's scope and puts back what was there.
+struct KernelsEnvUnset {
+  std::optional<std::string> saved;
+  KernelsEnvUnset() {
+    if (const char* env = std::getenv("DMI_KERNELS")) saved = env;
+    ::unsetenv("DMI_KERNELS");
+  }
+  ~KernelsEnvUnset() {
+    if (saved) ::setenv("DMI_KERNELS", saved->c_str(), 1);
+    else ::unsetenv("DMI_KERNELS");
+  }
+};
+
 TEST_CASE("kernels: Intel CPUs default to the FMA kernels; DMI_KERNELS sets the choice up to the CPU's best") {
   using namespace dmi::kernels;
   std::string vendor;  // read from /proc/cpuinfo, not through the compiler's builtin the library uses
@@ -128,9 +141,7 @@ TEST_CASE("kernels: Intel CPUs default to the FMA kernels; DMI_KERNELS sets the 
   const Isa want = best == Isa::avx512_bf16 && vendor == "GenuineIntel" ? Isa::avx512 : best;
   CHECK(default_isa() == want);
 
-  const char* env = std::getenv("DMI_KERNELS");
-  const std::optional<std::string> saved = env ? std::optional<std::string>(env) : std::nullopt;
-  ::unsetenv("DMI_KERNELS");
+  const KernelsEnvUnset unset;  // DMI_KERNELS is restored when the test ends, however it ends
   CHECK(selected_isa() == default_isa());
   ::setenv("DMI_KERNELS", isa_name(best), 1);
   CHECK(selected_isa() == best);  // avx512_bf16 stays selectable on Intel
@@ -140,16 +151,12 @@ TEST_CASE("kernels: Intel CPUs default to the FMA kernels; DMI_KERNELS sets the 
     ::setenv("DMI_KERNELS", "avx512_bf16", 1);
     CHECK_THROWS_AS(selected_isa(), dmi::Error);
   }
-  if (saved) ::setenv("DMI_KERNELS", saved->c_str(), 1);
-  else ::unsetenv("DMI_KERNELS");
 }
 
 TEST_CASE("runtime: OpenMP owns the cores wherever dmi's kernels run the projections, OpenBLAS for ATen's float32") {
   using dmi::engine::MathOwner;
   using dmi::engine::math_owner_for;
-  const char* env = std::getenv("DMI_KERNELS");
-  const std::optional<std::string> saved = env ? std::optional<std::string>(env) : std::nullopt;
-  ::unsetenv("DMI_KERNELS");
+  const KernelsEnvUnset unset;  // DMI_KERNELS is restored when the test ends, however it ends
   const std::string hf_dir = "/tmp", torchscript_file = "/proc/self/exe";  // a directory; a regular file
   CHECK(math_owner_for("bfloat16", hf_dir) == MathOwner::openmp);
   CHECK(math_owner_for("bfloat16", torchscript_file) == MathOwner::openmp);
@@ -161,8 +168,6 @@ TEST_CASE("runtime: OpenMP owns the cores wherever dmi's kernels run the project
   CHECK(math_owner_for("bfloat16", hf_dir) == MathOwner::openmp);
   ::setenv("DMI_KERNELS", "avx2", 1);
   CHECK(math_owner_for("float32", hf_dir) == MathOwner::openmp);
-  if (saved) ::setenv("DMI_KERNELS", saved->c_str(), 1);
-  else ::unsetenv("DMI_KERNELS");
 }
 
 TEST_CASE("kernels: aten (at::linear) stays available for comparison") {

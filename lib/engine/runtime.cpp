@@ -1,13 +1,14 @@
 #include "engine/runtime.h"
 
+#include "common/error.h"
 #include "kernels/linear.h"
+#include "model/causal_lm.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <torch/version.h>
 #include <dlfcn.h>
 #include <malloc.h>
-#include <sys/stat.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -108,11 +109,12 @@ std::string environment_json(int threads) {
 
 MathOwner math_owner_for(const std::string& dtype, const std::string& model) {
   if (dtype != "float32") return MathOwner::openmp;
-  struct stat st {};
-  const bool torchscript = !model.empty() && ::stat(model.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-  const char* kernels = std::getenv("DMI_KERNELS");
-  const bool aten = kernels && std::string(kernels) == "aten";
-  return torchscript || aten ? MathOwner::openblas : MathOwner::openmp;
+  if (!model.empty() && model::is_torchscript_archive(model)) return MathOwner::openblas;
+  try {
+    return kernels::selected_isa() == kernels::Isa::aten ? MathOwner::openblas : MathOwner::openmp;
+  } catch (const Error&) {
+    return MathOwner::openmp;  // a bad DMI_KERNELS is reported where the model loads, at the app boundary
+  }
 }
 
 void prepare_process_env(int argc, char** argv, MathOwner owner) {

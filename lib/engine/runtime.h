@@ -23,9 +23,10 @@
 namespace dmi::engine {
 
 enum class MathOwner { openmp, openblas };
-// model: the --model argument (empty: the embedded HF model); a regular file
-// is a TorchScript archive, run by ATen. Reads DMI_KERNELS (only whether it
-// says aten: a bad value is reported later, by the kernels).
+// model: the --model argument (empty: the embedded HF model); a TorchScript
+// archive (model::is_torchscript_archive) runs on ATen, as does
+// DMI_KERNELS=aten (kernels::selected_isa; a bad value is reported later,
+// where the model loads).
 MathOwner math_owner_for(const std::string& dtype, const std::string& model);
 
 // Call in main() before any tensor work. Unless already done, sets the

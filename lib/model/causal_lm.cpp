@@ -11,13 +11,18 @@
 
 namespace dmi::model {
 
+bool is_torchscript_archive(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
 std::unique_ptr<CausalLM> load_model(const std::string& dir, at::ScalarType dtype, const LoadOptions& opts) {
   struct stat st {};
   DMI_CHECK(::stat(dir.c_str(), &st) == 0, "{}: model directory does not exist", dir);
   auto seconds_since = [](std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
-  if (S_ISREG(st.st_mode)) {
+  if (is_torchscript_archive(dir)) {
     auto m = load_torchscript(dir, dtype, opts.hook_map);
     if (opts.fingerprint) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -46,8 +51,7 @@ std::unique_ptr<CausalLM> load_model(const std::string& dir, at::ScalarType dtyp
 }
 
 std::string default_tokenizer_path(const std::string& model_path) {
-  struct stat st {};
-  if (::stat(model_path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+  if (is_torchscript_archive(model_path)) {
     const auto slash = model_path.rfind('/');
     return (slash == std::string::npos ? std::string(".") : model_path.substr(0, slash)) + "/tokenizer.json";
   }

@@ -81,6 +81,10 @@ class CausalLM {
   std::size_t fingerprint_bytes_ = 0;
 };
 
+// True when path is a regular file: load_model reads it as a TorchScript
+// archive (a directory is an HF model).
+bool is_torchscript_archive(const std::string& path);
+
 // Loads an HF model directory (config.json + safetensors) or a TorchScript
 // archive (a .pt file; model/torchscript.h). dtype: kFloat or kBFloat16.
 // Errors name the file, field or tensor at fault.

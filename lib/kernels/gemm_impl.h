@@ -175,14 +175,16 @@ template <int MaxMR, class Tile>
 static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
   if (a.M > MaxMR && a.M <= kSmallM) {
     alignas(64) float acc[kSmallM * kPanel];
+    Prefetch share[kSmallM];  // by the tile's first row; the same for every panel and k block
+    for_tiles<MaxMR>(0, a.M, [&](auto mr, int64_t m) {
+      const int64_t rows = decltype(mr)::value;
+      share[m] = Prefetch{static_cast<int>(m * kUnitLines / a.M), static_cast<int>((m + rows) * kUnitLines / a.M)};
+    });
     for (int64_t p = a.panel_begin; p < a.panel_end; ++p) {
       for (int64_t k0 = 0; k0 < units; k0 += kKBlock) {
         const int64_t k1 = units < k0 + kKBlock ? units : k0 + kKBlock;
-        for_tiles<MaxMR>(0, a.M, [&](auto mr, int64_t m) {
-          const int64_t rows = decltype(mr)::value;
-          const Prefetch pf{static_cast<int>(m * kUnitLines / a.M), static_cast<int>((m + rows) * kUnitLines / a.M)};
-          tile(mr, m, p, k0, k1, acc + m * kPanel, k0 == 0, pf);
-        });
+        for_tiles<MaxMR>(0, a.M,
+                         [&](auto mr, int64_t m) { tile(mr, m, p, k0, k1, acc + m * kPanel, k0 == 0, share[m]); });
       }
       store_tile(a, 0, static_cast<int>(a.M), p, acc);
     }

@@ -197,8 +197,15 @@ at::Tensor PackedLinear::run(const at::Tensor& x, Isa isa) const {
   // shared counter rather than fixed halves, so a thread slowed by a busy
   // core does not leave the other waiting at the end (on 2 shared cores the
   // static split spent ~15 % of a decode step in OpenMP's barrier).
+  // A thread gets at least kMinWork multiply-adds (~40 us at decode): the
+  // projections of a small model ran as fast on one thread, and forking them
+  // onto the pool slowed every other process on the same cores
+  // (docs/benchmarks.md, "small models on shared cores"). Threads change no
+  // bit: they only split the panels.
+  constexpr std::int64_t kMinWork = 1 << 18;
   const std::int64_t panels = (n_ + kPanel - 1) / kPanel;
-  const std::int64_t threads = std::min<std::int64_t>(at::get_num_threads(), panels);
+  const std::int64_t threads =
+      std::clamp<std::int64_t>(M * n_ * k_ / kMinWork, 1, std::min<std::int64_t>(at::get_num_threads(), panels));
   // Prefill-sized inputs keep one contiguous share per thread: each x row
   // block is then reused across all of a thread's panels while it is in cache.
   // Decode-sized chunks are at most 8 panels (1 MiB of a 1024-deep bf16

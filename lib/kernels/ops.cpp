@@ -222,9 +222,20 @@ void scores_row_any(const E* q, const E* k, const bool* m, E* o, std::int64_t L,
   if (!has_avx512() || !detail::scores_row_avx512(q, k, m, o, L, D, s)) scores_row_cloned(q, k, m, o, L, D, s);
 }
 
+// Items per thread of an at::parallel_for loop whose items each cost
+// `work` element operations: at least 32768 operations per thread, the grain
+// ATen's own elementwise loops use (at::internal::GRAIN_SIZE). Handing a
+// few rows of a small model to the OpenMP pool cost more than computing
+// them, and threads that wait at the join slow every other process on the
+// same cores (docs/benchmarks.md, "small models on shared cores").
+std::int64_t grain(std::int64_t work) {
+  constexpr std::int64_t kGrain = 32768;
+  return std::max<std::int64_t>(1, kGrain / std::max<std::int64_t>(1, work));
+}
+
 template <class E>
 void rms_norm_rows(const E* x, const E* w, E* out, std::int64_t rows, std::int64_t n, float eps) {
-  at::parallel_for(0, rows, 16, [&](std::int64_t begin, std::int64_t end) {
+  at::parallel_for(0, rows, grain(2 * n), [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t r = begin; r < end; ++r) rms_norm_row_any(x + r * n, w, out + r * n, n, eps);
   });
 }
@@ -232,7 +243,7 @@ void rms_norm_rows(const E* x, const E* w, E* out, std::int64_t rows, std::int64
 template <class E>
 void rope_rows(const E* x, const E* cos, const E* sin, E* out, std::int64_t B, std::int64_t T, std::int64_t H,
                std::int64_t D) {
-  at::parallel_for(0, B * T, 1, [&](std::int64_t begin, std::int64_t end) {
+  at::parallel_for(0, B * T, grain(H * D), [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t bt = begin; bt < end; ++bt)
       for (std::int64_t h = 0; h < H; ++h)
         rope_row_any(x + (bt * H + h) * D, cos + bt * D, sin + bt * D, out + (bt * H + h) * D, D);
@@ -242,14 +253,14 @@ void rope_rows(const E* x, const E* cos, const E* sin, E* out, std::int64_t B, s
 template <class E>
 void silu_mul_rows(const E* g, const E* u, E* out, std::int64_t rows, std::int64_t n, std::int64_t g_stride,
                    std::int64_t u_stride) {
-  at::parallel_for(0, rows, 1, [&](std::int64_t begin, std::int64_t end) {
+  at::parallel_for(0, rows, grain(n), [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t r = begin; r < end; ++r) silu_mul_row_any(g + r * g_stride, u + r * u_stride, out + r * n, n);
   });
 }
 
 template <class E>
 void softmax_rows(const E* x, E* out, std::int64_t rows, std::int64_t n) {
-  at::parallel_for(0, rows, 16, [&](std::int64_t begin, std::int64_t end) {
+  at::parallel_for(0, rows, grain(n), [&](std::int64_t begin, std::int64_t end) {
     std::vector<float> e(static_cast<std::size_t>(n));
     for (std::int64_t r = begin; r < end; ++r) softmax_row_any(x + r * n, out + r * n, n, e.data());
   });
@@ -258,15 +269,16 @@ void softmax_rows(const E* x, E* out, std::int64_t rows, std::int64_t n) {
 // Rows of one KV head in blocks (detail::scores_block_avx512 and
 // values_block_avx512): the G query heads of consecutive positions, at most
 // kBlockRows rows. Calls fn(b, kv, rows, row_h, row_t, scratch) per block,
-// blocks split over threads; false when the blocked kernels cannot run (no
-// AVX-512, or a head_dim they do not take).
+// blocks split over threads (each row costs L * D multiply-adds); false when
+// the blocked kernels cannot run (no AVX-512, or a head_dim they do not take).
 template <class Fn>
-bool for_head_blocks(std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KV, std::int64_t D, Fn fn) {
+bool for_head_blocks(std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KV, std::int64_t D, std::int64_t L,
+                     Fn fn) {
   const std::int64_t G = H / KV;
   if (!has_avx512() || D % 16 != 0 || D > detail::kBlockMaxD || G > detail::kBlockRows) return false;
   const std::int64_t per = std::max<std::int64_t>(1, detail::kBlockRows / G);  // positions per block
   const std::int64_t tblocks = (T + per - 1) / per;
-  at::parallel_for(0, B * KV * tblocks, 1, [&](std::int64_t begin, std::int64_t end) {
+  at::parallel_for(0, B * KV * tblocks, grain(std::min(T, per) * G * L * D), [&](std::int64_t begin, std::int64_t end) {
     std::vector<float> scratch(static_cast<std::size_t>((detail::kBlockRows + 16) * D));
     std::int64_t row_h[detail::kBlockRows], row_t[detail::kBlockRows];
     for (std::int64_t u = begin; u < end; ++u) {
@@ -293,8 +305,8 @@ void scores_impl(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, co
   const bool* mp = masked.data_ptr<bool>();
   E* op = reinterpret_cast<E*>(out.data_ptr());
   const bool blocked = for_head_blocks(
-      B, T, H, KV, D, [&](std::int64_t b, std::int64_t kv, int rows, const std::int64_t* rh, const std::int64_t* rt,
-                          float* scratch) {
+      B, T, H, KV, D, L, [&](std::int64_t b, std::int64_t kv, int rows, const std::int64_t* rh, const std::int64_t* rt,
+                             float* scratch) {
         const E* qr[detail::kBlockRows];
         const bool* mr[detail::kBlockRows];
         E* orow[detail::kBlockRows];
@@ -306,7 +318,7 @@ void scores_impl(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, co
         detail::scores_block_avx512(qr, mr, orow, rows, kp + (b * KV + kv) * cap * D, L, D, scale, scratch);
       });
   if (blocked) return;
-  at::parallel_for(0, B * H, 1, [&](std::int64_t begin, std::int64_t end) {
+  at::parallel_for(0, B * H, grain(T * L * D), [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t bh = begin; bh < end; ++bh) {
       const std::int64_t b = bh / H, h = bh % H, kv = h / G;
       for (std::int64_t t = 0; t < T; ++t)
@@ -324,8 +336,8 @@ void values_impl(const at::Tensor& probs, const at::Tensor& values, std::int64_t
   const E* vp = reinterpret_cast<const E*>(values.data_ptr());
   E* op = reinterpret_cast<E*>(out.data_ptr());
   const bool blocked = for_head_blocks(
-      B, T, H, KV, D, [&](std::int64_t b, std::int64_t kv, int rows, const std::int64_t* rh, const std::int64_t* rt,
-                          float* scratch) {
+      B, T, H, KV, D, L, [&](std::int64_t b, std::int64_t kv, int rows, const std::int64_t* rh, const std::int64_t* rt,
+                             float* scratch) {
         const E* pr[detail::kBlockRows];
         E* orow[detail::kBlockRows];
         for (int r = 0; r < rows; ++r) {
@@ -335,7 +347,7 @@ void values_impl(const at::Tensor& probs, const at::Tensor& values, std::int64_t
         detail::values_block_avx512(pr, orow, rows, vp + (b * KV + kv) * cap * D, L, D, scratch);
       });
   if (blocked) return;
-  at::parallel_for(0, B * H, 1, [&](std::int64_t begin, std::int64_t end) {
+  at::parallel_for(0, B * H, grain(T * L * D), [&](std::int64_t begin, std::int64_t end) {
     std::vector<float> acc(static_cast<std::size_t>(2 * D));
     for (std::int64_t bh = begin; bh < end; ++bh) {
       const std::int64_t b = bh / H, h = bh % H, kv = h / G;

@@ -1,6 +1,7 @@
 // The linear kernels (lib/kernels) against a float64 reference, against each
 // other, and against themselves at other batch sizes (bitwise).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
@@ -8,6 +9,7 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/error.h"
@@ -366,4 +368,53 @@ TEST_CASE("ops: softmax in float32 (masked entries exactly 0), fast exp, padding
   at::Tensor two = at::stack({x.view(-1), at::full({20001}, -std::numeric_limits<double>::infinity())}, 1);
   // softmax over [x, -inf] is exactly 1 wherever exp(x) is finite.
   CHECK(at::equal(dmi::kernels::softmax(two).select(1, 0), at::ones({20001})));
+}
+
+TEST_CASE("kernels and ops: one thread computes the same bits as all of them, at sizes that use every thread") {
+  struct Restore {
+    int n;
+    ~Restore() { at::set_num_threads(n); }
+  } restore{at::get_num_threads()};
+  // As configure_threads() does: a thread per CPU, at least 2 here.
+  const int threads = static_cast<int>(std::max(2u, std::thread::hardware_concurrency()));
+  at::manual_seed(11);
+  // Above the per-thread minimums (2^18 multiply-adds, 32768 element
+  // operations), so each loop splits over every thread.
+  const std::int64_t B = 2, T = 64, H = 8, KV = 2, D = 64, L = T;
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    CAPTURE(c10::toString(dtype));
+    at::Tensor w = at::randn({1024, 512}).to(dtype), x8 = at::randn({8, 512}).to(dtype);
+    at::Tensor x = at::randn({300, 512}).to(dtype), nw = at::randn({512}).to(dtype);
+    at::Tensor q = at::randn({B, T, H, D}).to(dtype);
+    at::Tensor keys = at::randn({B, KV, L, D}).to(dtype), values = at::randn({B, KV, L, D}).to(dtype);
+    at::Tensor cos = at::randn({B, T, 1, D}).to(dtype), sin = at::randn({B, T, 1, D}).to(dtype);
+    at::Tensor masked = at::ones({T, L}, at::kBool).triu(1).view({1, 1, T, L}).expand({B, 1, T, L});
+    const PackedLinear lin({w}, {at::Tensor()}, dtype, Isa::scalar);
+    auto run = [&] {
+      std::vector<at::Tensor> out;
+      for (Isa isa : supported()) {
+        out.push_back(lin.run(x8, isa));
+        out.push_back(lin.run(x, isa));
+      }
+      out.push_back(dmi::kernels::rms_norm(x, nw, 1e-6));
+      out.push_back(dmi::kernels::silu_mul(x, x.flip(0)));
+      out.push_back(dmi::kernels::rope(q, cos, sin));
+      at::Tensor s = dmi::kernels::attention_scores(q, keys, L, masked, 0.125);
+      at::Tensor p = dmi::kernels::softmax(s);
+      out.push_back(s);
+      out.push_back(p);
+      out.push_back(dmi::kernels::attention_values(p, values, L));
+      return out;
+    };
+    at::set_num_threads(threads);
+    const std::vector<at::Tensor> many = run();
+    at::set_num_threads(1);
+    const std::vector<at::Tensor> one = run();
+    at::set_num_threads(threads);
+    REQUIRE(one.size() == many.size());
+    for (std::size_t i = 0; i < one.size(); ++i) {
+      CAPTURE(i);
+      CHECK(same_bits(one[i], many[i]));
+    }
+  }
 }

@@ -143,18 +143,32 @@ DMI_INLINE void values_row(const E* p, const E* vb, E* o, std::int64_t L, std::i
   for (std::int64_t d = 0; d < D; ++d) store(o, d, acc[d]);
 }
 
+// True when the 16 values at p are all -inf, compared as bit patterns
+// (-inf has exactly one in each dtype), 8 bytes at a time.
+template <int Bytes>
+DMI_INLINE bool all_words(const void* p, std::uint64_t pattern) {
+  std::uint64_t w[Bytes / 8];
+  std::memcpy(w, p, Bytes);
+  std::uint64_t diff = 0;
+  for (int k = 0; k < Bytes / 8; ++k) diff |= w[k] ^ pattern;
+  return diff == 0;
+}
+DMI_INLINE bool all_neg_inf16(const float* p) { return all_words<64>(p, 0xff800000ff800000ull); }
+DMI_INLINE bool all_neg_inf16(const std::uint16_t* p) { return all_words<32>(p, 0xff80ff80ff80ff80ull); }
+DMI_INLINE void set_neg_inf(float* p) { *p = -std::numeric_limits<float>::infinity(); }
+DMI_INLINE void set_neg_inf(std::uint16_t* p) { *p = 0xff80; }
+
 template <class E>
 DMI_INLINE void softmax_row(const E* x, E* o, std::int64_t n, float* e) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // Masked columns at the end (causal prefill rows, cache columns not yet
   // attended) and at the start (left padding, keys before a sliding window)
   // are 0 and add nothing: the loops below run over [first, end) only.
-  // 16 columns at a time (a count vectorizes; an early exit would not), then one by one.
-  auto masked16 = [&](std::int64_t c0) {
-    int count = 0;
-    for (int j = 0; j < 16; ++j) count += load(x, c0 + j) == neg_inf;
-    return count == 16;
-  };
+  // 16 columns at a time, then one by one. (A float comparison per column
+  // had compiled to scalar code; with it and the padded exp tail below, one
+  // layer's causal softmax at 8 x 256 tokens, bf16, one thread, went from
+  // 24-31 to 20-27 ms: docs/benchmarks.md, "Where to look next".)
+  auto masked16 = [&](std::int64_t c0) { return all_neg_inf16(x + c0); };
   std::int64_t end = n;
   while (end >= 16 && masked16(end - 16)) end -= 16;
   while (end > 0 && load(x, end - 1) == neg_inf) --end;
@@ -173,9 +187,24 @@ DMI_INLINE void softmax_row(const E* x, E* o, std::int64_t n, float* e) {
   float mx = neg_inf;
   for (int j = 0; j < 16; ++j) mx = std::max(mx, lanes_max[j]);
   if (mx == neg_inf) mx = 0.0f;  // a fully masked row: all zeros, not NaN
-  for (std::int64_t i = first; i < end; ++i) {
-    const float v = load(x, i);
-    e[i] = v == neg_inf ? 0.0f : fast_exp(v - mx);
+  // 16 exps at a time; the last partial block goes through a buffer padded
+  // with -inf (exp 0), so no exp runs in a scalar epilogue: each is the same
+  // expression either way, the same bits.
+  auto exp16 = [&](const E* src, float* dst) {
+    for (int j = 0; j < 16; ++j) {
+      const float v = load(src, j);
+      dst[j] = v == neg_inf ? 0.0f : fast_exp(v - mx);
+    }
+  };
+  std::int64_t b = first;
+  for (; b + 16 <= end; b += 16) exp16(x + b, e + b);
+  if (b < end) {
+    E pad[16];
+    float out[16];
+    for (int j = 0; j < 16; ++j) set_neg_inf(pad + j);
+    std::memcpy(pad, x + b, static_cast<std::size_t>(end - b) * sizeof(E));
+    exp16(pad, out);
+    std::memcpy(e + b, out, static_cast<std::size_t>(end - b) * sizeof(float));
   }
   // The sum in 16 lanes counted from the first unmasked column, then dot()'s
   // fixed tree: the same bits wherever the row's keys sit in the cache (left

@@ -168,12 +168,11 @@ DMI_INLINE void softmax_row(const E* x, E* o, std::int64_t n, float* e) {
   // had compiled to scalar code; with it and the padded exp tail below, one
   // layer's causal softmax at 8 x 256 tokens, bf16, one thread, went from
   // 24-31 to 20-27 ms: docs/benchmarks.md, "Where to look next".)
-  auto masked16 = [&](std::int64_t c0) { return all_neg_inf16(x + c0); };
   std::int64_t end = n;
-  while (end >= 16 && masked16(end - 16)) end -= 16;
+  while (end >= 16 && all_neg_inf16(x + end - 16)) end -= 16;
   while (end > 0 && load(x, end - 1) == neg_inf) --end;
   std::int64_t first = 0;
-  while (first + 16 <= end && masked16(first)) first += 16;
+  while (first + 16 <= end && all_neg_inf16(x + first)) first += 16;
   while (first < end && load(x, first) == neg_inf) ++first;
   // The maximum in 16 lanes (std::max's rule in each: a NaN never enters, as
   // it never did the single running maximum); max is exact, so the order of

@@ -9,6 +9,12 @@ namespace dmi::kernels::detail {
 
 namespace {
 
+// Per k pair: the even weights of the four vectors, widened, meet every row,
+// then the odd ones (reloaded from L1, a mask instead of a shift): each
+// accumulator still takes k then k + 1, and 6 rows fit the 32 registers (24
+// accumulators, 4 weights, a broadcast). Widening both halves first held 8
+// registers and allowed 4 rows: 6-row tiles take 0.90-0.96x the time of
+// prefill's projections (docs/benchmarks.md, 2026-12-02 fourth session).
 template <int MR>
 void tile_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, float* out, bool first,
                 Prefetch pf) {
@@ -21,19 +27,16 @@ void tile_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1
   for (int64_t kp = k0; kp < k1; ++kp) {
     const uint16_t* wk = w + kp * 2 * kPanel;
     pf.at(wk);
-    __m512 even[4], odd[4];
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(wk + 32 * j);
-      even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-      odd[j] = _mm512_castsi512_ps(_mm512_and_si512(v, odd_mask));
-    }
+    __m512 wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(wk + 32 * j), 16));
     for (int r = 0; r < MR; ++r) {
       const __m512 b0 = _mm512_set1_ps(x[r * a.x_stride + 2 * kp]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], b0, acc[r][j]);
+    }
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(wk + 32 * j), odd_mask));
+    for (int r = 0; r < MR; ++r) {
       const __m512 b1 = _mm512_set1_ps(x[r * a.x_stride + 2 * kp + 1]);
-      for (int j = 0; j < 4; ++j) {
-        acc[r][j] = _mm512_fmadd_ps(even[j], b0, acc[r][j]);
-        acc[r][j] = _mm512_fmadd_ps(odd[j], b1, acc[r][j]);
-      }
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], b1, acc[r][j]);
     }
   }
   for (int r = 0; r < MR; ++r)
@@ -65,7 +68,7 @@ void tile_f32w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1,
 }  // namespace
 
 void gemm_bf16w_avx512(const GemmArgs& a) {
-  drive<4>(a, a.K / 2, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
+  drive<6, 4>(a, a.K / 2, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
                       Prefetch pf) {
     tile_bf16w<decltype(mr)::value>(a, m, p, k0, k1, acc, first, pf);
   });

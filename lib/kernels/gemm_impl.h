@@ -138,9 +138,11 @@ static inline void store_tile(const GemmArgs& a, int64_t m0, int mr, int64_t p, 
 // keeps each output's one accumulator and one order: the same bits however
 // k is split.
 //
-// Many rows (prefill): rows in blocks of kRowBlock (the block's x stays in L2
-// while the thread's panels stream past it), each block in tiles of up to
-// MaxMR rows over the whole depth.
+// Many rows (prefill): rows in blocks of about kRowBlock, a whole number of
+// MaxMR-row tiles (the block's x stays in L2 while the thread's panels stream
+// past it; a short tile only at the end of x: 128 rows in 6-row tiles had
+// ended each block with a 2-row tile at ~2.5x the cost per row), each tile
+// over the whole depth. Decode-sized batches use tiles of up to SmallMR rows.
 // Decode-sized batches (more than one tile, at most kSmallM rows): every tile
 // of a panel walks it kKBlock units at a time, so the weights stream from
 // memory once and without pause (the tiles share each unit's prefetches by
@@ -171,19 +173,19 @@ static inline void for_tiles(int64_t mb, int64_t me, Fn fn) {
   tail_tile<MaxMR - 1>(fn, m, me - m);
 }
 
-template <int MaxMR, class Tile>
+template <int MaxMR, int SmallMR = MaxMR, class Tile>
 static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
   if (a.M > MaxMR && a.M <= kSmallM) {
     alignas(64) float acc[kSmallM * kPanel];
     Prefetch share[kSmallM];  // by the tile's first row; the same for every panel and k block
-    for_tiles<MaxMR>(0, a.M, [&](auto mr, int64_t m) {
+    for_tiles<SmallMR>(0, a.M, [&](auto mr, int64_t m) {
       const int64_t rows = decltype(mr)::value;
       share[m] = Prefetch{static_cast<int>(m * kUnitLines / a.M), static_cast<int>((m + rows) * kUnitLines / a.M)};
     });
     for (int64_t p = a.panel_begin; p < a.panel_end; ++p) {
       for (int64_t k0 = 0; k0 < units; k0 += kKBlock) {
         const int64_t k1 = units < k0 + kKBlock ? units : k0 + kKBlock;
-        for_tiles<MaxMR>(0, a.M,
+        for_tiles<SmallMR>(0, a.M,
                          [&](auto mr, int64_t m) { tile(mr, m, p, k0, k1, acc + m * kPanel, k0 == 0, share[m]); });
       }
       store_tile(a, 0, static_cast<int>(a.M), p, acc);
@@ -193,11 +195,12 @@ static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
   // Whole-depth tiles: the first tile of each row block brings the panel in
   // from memory, the block's other tiles find it in cache.
   alignas(64) float acc[MaxMR * kPanel];
-  for (int64_t mb = 0; mb < a.M; mb += kRowBlock) {
-    const int64_t me = a.M < mb + kRowBlock ? a.M : mb + kRowBlock;
+  constexpr int64_t block = kRowBlock / MaxMR * MaxMR;  // whole tiles: a short one only at the end of x
+  for (int64_t mb = 0; mb < a.M; mb += block) {
+    const int64_t me = a.M < mb + block ? a.M : mb + block;
     for (int64_t p = a.panel_begin; p < a.panel_end; ++p)
       for_tiles<MaxMR>(mb, me, [&](auto mr, int64_t m) {
-        tile(mr, m, p, 0, units, acc, true, m % kRowBlock == 0 ? Prefetch{0, kUnitLines} : Prefetch{});
+        tile(mr, m, p, 0, units, acc, true, m == mb ? Prefetch{0, kUnitLines} : Prefetch{});
         store_tile(a, m, decltype(mr)::value, p, acc);
       });
   }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "common/error.h"
 #include "kernels/gemm_impl.h"
@@ -386,6 +387,45 @@ void values_impl(const at::Tensor& probs, const at::Tensor& values, std::int64_t
   });
 }
 
+// Scores, softmax and values of each block of rows in one pass: the row
+// functions of the three separate ops on the same inputs, so the same bits,
+// with the block's scores and probabilities in a per-thread buffer instead of
+// [B, H, T, L] tensors, and one parallel region instead of three.
+template <class E>
+bool fused_impl(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, std::int64_t L,
+                const at::Tensor& masked, float scale, at::Tensor& out) {
+  const std::int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+  const std::int64_t KV = keys.size(1), cap = keys.size(2);
+  const E* qp = reinterpret_cast<const E*>(q.data_ptr());
+  const E* kp = reinterpret_cast<const E*>(keys.data_ptr());
+  const E* vp = reinterpret_cast<const E*>(values.data_ptr());
+  const bool* mp = masked.data_ptr<bool>();
+  E* op = reinterpret_cast<E*>(out.data_ptr());
+  return for_head_blocks(
+      B, T, H, KV, D, L, [&](std::int64_t b, std::int64_t kv, int rows, const std::int64_t* rh, const std::int64_t* rt,
+                             float* scratch) {
+        thread_local std::vector<E> sp;  // scores, then probabilities: [2][kBlockRows][L]
+        thread_local std::vector<float> e;
+        sp.resize(static_cast<std::size_t>(2 * detail::kBlockRows * L));
+        e.resize(static_cast<std::size_t>(L));
+        const E* qr[detail::kBlockRows];
+        const bool* mr[detail::kBlockRows];
+        E* sr[detail::kBlockRows];
+        E* pr[detail::kBlockRows];
+        E* orow[detail::kBlockRows];
+        for (int r = 0; r < rows; ++r) {
+          qr[r] = qp + ((b * T + rt[r]) * H + rh[r]) * D;
+          mr[r] = mp + (b * T + rt[r]) * L;
+          sr[r] = sp.data() + r * L;
+          pr[r] = sp.data() + (detail::kBlockRows + r) * L;
+          orow[r] = op + ((b * T + rt[r]) * H + rh[r]) * D;
+        }
+        detail::scores_block_avx512(qr, mr, sr, rows, kp + (b * KV + kv) * cap * D, L, D, scale, scratch);
+        for (int r = 0; r < rows; ++r) softmax_row_any(sr[r], pr[r], L, e.data());
+        detail::values_block_avx512(pr, orow, rows, vp + (b * KV + kv) * cap * D, L, D, scratch);
+      });
+}
+
 void check_dtype(const at::Tensor& t, const char* what) {
   DMI_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, "{}: dtype must be float32 or bfloat16",
             what);
@@ -482,6 +522,23 @@ at::Tensor attention_values(const at::Tensor& probs, const at::Tensor& values, s
   if (probs.scalar_type() == at::kFloat) values_impl<float>(pc, vc, L, out);
   else values_impl<std::uint16_t>(pc, vc, L, out);
   return out;
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, std::int64_t L,
+                     const at::Tensor& masked, double scale) {
+  check_dtype(q, "attention");
+  DMI_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && keys.scalar_type() == q.scalar_type() &&
+                values.scalar_type() == q.scalar_type() && keys.sizes() == values.sizes() &&
+                keys.size(3) == q.size(3) && q.size(2) % keys.size(1) == 0 && L <= keys.size(2),
+            "attention: q [B, T, H, D], keys and values [B, KV, capacity >= L, D] do not fit");
+  at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
+  at::Tensor mc = masked.expand({q.size(0), 1, q.size(1), L}).contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const bool fused = q.scalar_type() == at::kFloat
+                         ? fused_impl<float>(qc, kc, vc, L, mc, static_cast<float>(scale), out)
+                         : fused_impl<std::uint16_t>(qc, kc, vc, L, mc, static_cast<float>(scale), out);
+  if (fused) return out;
+  return attention_values(softmax(attention_scores(q, keys, L, masked, scale)), values, L);
 }
 
 }  // namespace dmi::kernels

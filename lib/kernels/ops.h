@@ -44,4 +44,11 @@ at::Tensor softmax(const at::Tensor& scores);
 // [0, L)), accumulated in fp32 over columns in order, rounded to the dtype.
 at::Tensor attention_values(const at::Tensor& probs, const at::Tensor& values, std::int64_t L);
 
+// attention_values(softmax(attention_scores(q, keys, L, masked, scale)),
+// values, L), the same bits, without materializing scores and probabilities
+// where the blocked kernels run (AVX-512): for a forward pass in which no
+// HookPoint reads or writes them.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, std::int64_t L,
+                     const at::Tensor& masked, double scale);
+
 }  // namespace dmi::kernels

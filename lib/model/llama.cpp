@@ -91,6 +91,7 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
   // "off" with, to show that an unused HookPoint costs nothing.
   DMI_CHECK(!obs, "this build has hooks compiled out (DMI_HOOKS=OFF)");
   auto hook = [](Site, int, at::Tensor&) {};
+  auto listens = [](Site, int) { return false; };
 #else
   DMI_CHECK(!obs || in.info, "forward: an observer needs ForwardInput::info");
   if (obs) obs->begin_forward(*in.info);
@@ -101,6 +102,7 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
     if (obs->writes(s, layer)) t = obs->intervene(s, layer, t, *in.info);
     if (obs->wants(s, layer)) obs->observe(s, layer, t, *in.info);
   };
+  auto listens = [&](Site s, int layer) { return obs && (obs->wants(s, layer) || obs->writes(s, layer)); };
 #endif
 
   // allowed[b, t, c]: query t (cache column start + t) may attend to column
@@ -146,11 +148,18 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
 
     // Grouped-query attention without repeating K/V: query head h reads KV
     // head h / G (HF's repeat_kv), straight from the cache (kernels/ops.h).
-    at::Tensor scores = kernels::attention_scores(q, cache.k[li], L, masked, scale);  // [B, H, T, L]
-    hook(Site::attn_scores, i, scores);
-    at::Tensor probs = kernels::softmax(scores);  // float32 softmax, cast to the dtype
-    hook(Site::pattern, i, probs);
-    at::Tensor z = kernels::attention_values(probs, cache.v[li], L);  // [B, T, H, D]
+    // Scores and probabilities exist as tensors only for a HookPoint that
+    // reads or writes them; otherwise one fused pass computes the same bits.
+    at::Tensor z;  // [B, T, H, D]
+    if (listens(Site::attn_scores, i) || listens(Site::pattern, i)) {
+      at::Tensor scores = kernels::attention_scores(q, cache.k[li], L, masked, scale);  // [B, H, T, L]
+      hook(Site::attn_scores, i, scores);
+      at::Tensor probs = kernels::softmax(scores);  // float32 softmax, cast to the dtype
+      hook(Site::pattern, i, probs);
+      z = kernels::attention_values(probs, cache.v[li], L);
+    } else {
+      z = kernels::attention(q, cache.k[li], cache.v[li], L, masked, scale);
+    }
     hook(Site::z, i, z);
     at::Tensor attn_out = l.o(z.reshape({B, T, H * D}));
     hook(Site::attn_out, i, attn_out);

@@ -318,7 +318,7 @@ at::Tensor ref_values(const at::Tensor& probs, const at::Tensor& values, std::in
 
 }  // namespace
 
-TEST_CASE("ops: prefill attention (blocks of rows) has the portable arithmetic's bits, row by row") {
+TEST_CASE("ops: prefill attention (blocks of rows, fused or not) has the portable arithmetic's bits, row by row") {
   at::manual_seed(11);
   // head_dim 48 (three 16-lane chunks) and 128; G = 1, 2, 4, 8; lengths that
   // leave partial key blocks and partial position blocks; causal and padding
@@ -348,6 +348,10 @@ TEST_CASE("ops: prefill attention (blocks of rows) has the portable arithmetic's
       at::Tensor s1 = dmi::kernels::attention_scores(q.narrow(1, t, 1), keys, L, masked.narrow(2, t, 1), scale);
       CHECK(at::equal(s1, s.narrow(2, t, 1)));
       CHECK(at::equal(dmi::kernels::attention_values(p.narrow(2, t, 1), values, L), z.narrow(1, t, 1)));
+      // Fused, no scores or probabilities kept (a forward pass that hooks neither): the same bits.
+      CHECK(same_bits(dmi::kernels::attention(q, keys, values, L, masked, scale), z));
+      CHECK(same_bits(dmi::kernels::attention(q.narrow(1, t, 1), keys, values, L, masked.narrow(2, t, 1), scale),
+                      z.narrow(1, t, 1)));
     }
   }
 }

@@ -13,7 +13,7 @@ namespace {
 // then the odd ones (reloaded from L1, a mask instead of a shift): each
 // accumulator still takes k then k + 1, and 6 rows fit the 32 registers (24
 // accumulators, 4 weights, a broadcast). Widening both halves first held 8
-// registers and allowed 4 rows: 6-row tiles take 0.90-0.96x the time of
+// registers and allowed 4 rows: 6-row tiles take 0.90-0.97x the time of
 // prefill's projections (docs/benchmarks.md, 2026-12-02 fourth session).
 template <int MR>
 void tile_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, float* out, bool first,
@@ -69,7 +69,7 @@ void tile_f32w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1,
 
 void gemm_bf16w_avx512(const GemmArgs& a) {
   drive<6, 4>(a, a.K / 2, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
-                      Prefetch pf) {
+                         Prefetch pf) {
     tile_bf16w<decltype(mr)::value>(a, m, p, k0, k1, acc, first, pf);
   });
 }

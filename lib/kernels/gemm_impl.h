@@ -142,11 +142,11 @@ static inline void store_tile(const GemmArgs& a, int64_t m0, int mr, int64_t p, 
 // MaxMR-row tiles (the block's x stays in L2 while the thread's panels stream
 // past it; a short tile only at the end of x: 128 rows in 6-row tiles had
 // ended each block with a 2-row tile at ~2.5x the cost per row), each tile
-// over the whole depth. Decode-sized batches use tiles of up to SmallMR rows.
-// Decode-sized batches (more than one tile, at most kSmallM rows): every tile
-// of a panel walks it kKBlock units at a time, so the weights stream from
-// memory once and without pause (the tiles share each unit's prefetches by
-// rows; each finds the current block in L1). Whole-depth tiles would leave
+// over the whole depth.
+// Decode-sized batches (more than MaxMR rows, at most kSmallM; tiles of up to
+// SmallMR rows): every tile of a panel walks it kKBlock units at a time, so
+// the weights stream from memory once and without pause (the tiles share
+// each unit's prefetches by rows; each finds the current block in L1). Whole-depth tiles would leave
 // memory idle while the second tile re-read the panel from L2 (~9 % of a
 // batch-8 decode step).
 constexpr int64_t kSmallM = 32;

@@ -45,7 +45,8 @@ constexpr int kUnitLines = 4;
 // streams a panel takes all four, the others none. Decode-sized batches
 // share each unit's lines among their tiles by rows, so that memory is asked
 // for at a steady rate while all the tiles compute; when only the first tile
-// prefetched, memory idled while the others reused the block from L1.
+// prefetched, memory idled while the others reused the block from L1 (Xeon,
+// 4 + 4 rows). A short last tile takes no share (drive()).
 struct Prefetch {
   int lo = 0, hi = 0;
   inline void at(const void* unit) const {
@@ -177,10 +178,21 @@ template <int MaxMR, int SmallMR = MaxMR, class Tile>
 static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
   if (a.M > MaxMR && a.M <= kSmallM) {
     alignas(64) float acc[kSmallM * kPanel];
-    Prefetch share[kSmallM];  // by the tile's first row; the same for every panel and k block
+    // By the tile's first row; the same for every panel and k block. A short
+    // last tile (fewer than half of SmallMR rows: 6 + 2 at batch 8) requests
+    // nothing, the tile before it requests its lines too: on the AVX512-BF16
+    // EPYC its own share made batch-8 decode steps 1.10-1.18x as long
+    // (vdpbf16ps and fp32 kernels; docs/benchmarks.md, 2026-12-03), while
+    // even tiles (4 + 4 on the widening kernels, 6 + 6 + 4 at batch 16)
+    // gain from sharing.
+    Prefetch share[kSmallM];
+    const int64_t tail = a.M % SmallMR, body = a.M - tail;
+    const bool short_tail = tail > 0 && 2 * tail < SmallMR;
     for_tiles<SmallMR>(0, a.M, [&](auto mr, int64_t m) {
-      const int64_t rows = decltype(mr)::value;
-      share[m] = Prefetch{static_cast<int>(m * kUnitLines / a.M), static_cast<int>((m + rows) * kUnitLines / a.M)};
+      const int64_t end = m + decltype(mr)::value == body && short_tail ? a.M : m + decltype(mr)::value;
+      share[m] = m == body && short_tail
+                     ? Prefetch{}
+                     : Prefetch{static_cast<int>(m * kUnitLines / a.M), static_cast<int>(end * kUnitLines / a.M)};
     });
     for (int64_t p = a.panel_begin; p < a.panel_end; ++p) {
       for (int64_t k0 = 0; k0 < units; k0 += kKBlock) {

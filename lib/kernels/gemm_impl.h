@@ -178,21 +178,20 @@ template <int MaxMR, int SmallMR = MaxMR, class Tile>
 static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
   if (a.M > MaxMR && a.M <= kSmallM) {
     alignas(64) float acc[kSmallM * kPanel];
-    // By the tile's first row; the same for every panel and k block. A short
-    // last tile (fewer than half of SmallMR rows: 6 + 2 at batch 8) requests
-    // nothing, the tile before it requests its lines too: on the AVX512-BF16
-    // EPYC its own share made batch-8 decode steps 1.10-1.18x as long
+    // Indexed by the tile's first row; the same for every panel and k block.
+    // The lines are split by rows among the first `rows` rows: all of them,
+    // or all but a short last tile (fewer than half of SmallMR rows: 6 + 2 at
+    // batch 8), which then requests nothing. On the AVX512-BF16 EPYC that
+    // tile's own share made batch-8 decode steps 1.10-1.18x as long
     // (vdpbf16ps and fp32 kernels; docs/benchmarks.md, 2026-12-03), while
     // even tiles (4 + 4 on the widening kernels, 6 + 6 + 4 at batch 16)
     // gain from sharing.
     Prefetch share[kSmallM];
-    const int64_t tail = a.M % SmallMR, body = a.M - tail;
-    const bool short_tail = tail > 0 && 2 * tail < SmallMR;
+    const int64_t tail = a.M % SmallMR;
+    const int64_t rows = tail > 0 && 2 * tail < SmallMR ? a.M - tail : a.M;
     for_tiles<SmallMR>(0, a.M, [&](auto mr, int64_t m) {
-      const int64_t end = m + decltype(mr)::value == body && short_tail ? a.M : m + decltype(mr)::value;
-      share[m] = m == body && short_tail
-                     ? Prefetch{}
-                     : Prefetch{static_cast<int>(m * kUnitLines / a.M), static_cast<int>(end * kUnitLines / a.M)};
+      const int64_t b = m < rows ? m : rows, e = m + decltype(mr)::value < rows ? m + decltype(mr)::value : rows;
+      share[m] = Prefetch{static_cast<int>(b * kUnitLines / rows), static_cast<int>(e * kUnitLines / rows)};
     });
     for (int64_t p = a.panel_begin; p < a.panel_end; ++p) {
       for (int64_t k0 = 0; k0 < units; k0 += kKBlock) {

@@ -53,10 +53,11 @@ Isa default_isa() {
   // (Xeon family 6 model 207, AVX512-BF16 without AMX exposed: 1.3 G
   // vdpbf16ps/s = 83 GFLOP/s per core against 5.3 G FMA/s = 171), so the
   // widening FMA kernels are faster there once compute counts: batch 8 and
-  // prefill (docs/benchmarks.md, 2026-12-02 Intel). AMD's Zen 4 runs
-  // vdpbf16ps at 6.2 G/s, where it is the fastest choice. Decided by the
-  // vendor, never by a timing, so the same machine always computes the same
-  // bits.
+  // prefill (docs/benchmarks.md, 2026-12-02 Intel). AMD's Zen 4 issues
+  // vdpbf16ps as fast as its FMA (3.6 G/s each per core on one host, 6.2 G/s
+  // vdpbf16ps on another), twice the multiply-adds: the fastest choice
+  // there. Decided by the vendor, never by a timing, so the same machine
+  // always computes the same bits.
   if (best == Isa::avx512_bf16 && __builtin_cpu_is("intel")) return Isa::avx512;
   return best;
 }

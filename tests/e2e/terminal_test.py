@@ -63,8 +63,13 @@ def plain(args):
 LINE = re.compile(r"(\d+)/(\d+) sequences, (?:[\d.]+ tok/s, )?(ETA \d+:\d\d|ETA -|\d+:\d\d elapsed), "
                   r"[\d.]+ MB written, ring \d+%, \d+ dropped")
 
+# The live line's updates at their default 0.25 s were too few for a run
+# that took 0.4 s (2 updates on the EPYC of 2026-12-03, where the test had
+# passed before): a tty run asks for one every 20 ms instead.
+TTY_EVERY = ["--progress-every", "0.02"]
+
 if case == "progress-tty":
-    rc, out, seen = on_pty([RUN, "-o", os.path.join(tmp, "a.h5"), *LONG_RUN])
+    rc, out, seen = on_pty([RUN, "-o", os.path.join(tmp, "a.h5"), *TTY_EVERY, *LONG_RUN])
     if rc != 0:
         fail(f"dmi-run exit {rc}: {seen[-2000:]!r}")
     text = seen.decode().replace("\r\n", "\n")  # the terminal turns \n into \r\n
@@ -106,13 +111,15 @@ if case == "progress-tty":
     clean = lines(os.path.join(tmp, "clean.txt"), ["The cat sat on the mat and the cat"] * 3)
     corrupt = lines(os.path.join(tmp, "corrupt.txt"), ["The dog sat on the mat and the dog"] * 3)
     rc, _, seen = on_pty([PATCH, "--clean", clean, "--corrupt", corrupt, "--answer-id", "5", "--wrong-id", "7",
-                          "-o", os.path.join(tmp, "p.h5"), "--batch-size", "1"])
+                          "-o", os.path.join(tmp, "p.h5"), "--batch-size", "1", *TTY_EVERY])
     text = seen.decode().replace("\r\n", "\n")  # the terminal turns \n into \r\n
     if rc != 0:
         fail(f"dmi-patch exit {rc}: {text[-1500:]!r}")
     if not re.search(r"\r\x1b\[Kdmi-patch: \d+/\d+ patched runs, .*elapsed\n", text):
         fail(f"dmi-patch shows no live line ending in the time taken: {text[-1500:]!r}")
-    rc, _, seen = on_pty([BENCH, "--batch-sizes", "1,2", "--prompt-len", "8", "--new-tokens", "16", "--hooks",
+    # dmi-bench has no --progress-every: its runs must outlast the live line's
+    # first 0.25 s by themselves (30 runs of 16 tokens took 0.07 s here).
+    rc, _, seen = on_pty([BENCH, "--batch-sizes", "1,2", "--prompt-len", "8", "--new-tokens", "400", "--hooks",
                           "residual", "--repeats", "3", "--warmup", "0", "--tmp-dir", tmp,
                           "--json", os.path.join(tmp, "b.json")])
     text = seen.decode().replace("\r\n", "\n")  # the terminal turns \n into \r\n
@@ -123,10 +130,10 @@ if case == "progress-tty":
     print("ok: live progress lines on a terminal (dmi-run, dmi-patch, dmi-bench), -q silent")
 
 elif case == "progress-plain":
-    r = plain([RUN, "-o", os.path.join(tmp, "a.h5"), "--progress-every", "0.05", *LONG_RUN])
+    r = plain([RUN, "-o", os.path.join(tmp, "a.h5"), "--progress-every", "0.02", *LONG_RUN])
     progress = [l for l in r.stderr.splitlines() if LINE.search(l)]
     if len(progress) < 3:
-        fail(f"want plain progress lines every 0.05 s off a terminal, got: {r.stderr[-1500:]!r}")
+        fail(f"want plain progress lines every 0.02 s off a terminal, got: {r.stderr[-1500:]!r}")
     if "\r" in r.stderr or "\x1b" in r.stderr:
         fail("terminal codes in the output of a run whose stderr is a file")
     done = [int(LINE.search(l).group(1)) for l in progress]

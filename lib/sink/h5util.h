@@ -64,6 +64,26 @@ inline std::vector<hsize_t> dims_of(hid_t dset) {
   return d;
 }
 
+// HDF5's own account of the last failure on this thread: the error stack's
+// messages from the outermost call inwards ("unable to flush superblock:
+// ... : file write failed"), or "" when the stack is empty. HDF5 errors
+// reach the user through dmi::Error, so this is what names the cause.
+inline std::string error_stack_text() {
+  std::string out;
+  H5Ewalk2(
+      H5E_DEFAULT, H5E_WALK_DOWNWARD,
+      [](unsigned, const H5E_error2_t* e, void* data) -> herr_t {
+        auto& s = *static_cast<std::string*>(data);
+        if (e->desc && *e->desc) {
+          if (!s.empty()) s += ": ";
+          s += e->desc;
+        }
+        return 0;
+      },
+      &out);
+  return out;
+}
+
 #define H5_CHECK(expr, ...)                         \
   do {                                              \
     if ((expr) < 0) DMI_FAIL(__VA_ARGS__);          \

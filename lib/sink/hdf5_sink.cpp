@@ -349,8 +349,18 @@ class Hdf5Sink final : public Sink {
       : path_(path), comp_(parse_compression(o.compression)), flush_every_(o.flush_every),
         prompt_ids_(info.prompt_ids) {
     H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);  // errors become dmi::Error below
+    // Without HDF5's advisory file lock. HDF5 1.10.8's H5Fstart_swmr_write
+    // drops the writer's lock and takes it again, and a SWMR reader that
+    // opens the file in between (dmi-inspect --follow started before the
+    // run) made that fail and ended the run. After SWMR writing starts the
+    // file is unlocked anyway; until then the superblock's open-for-writing
+    // flag keeps readers out. A file being replaced is unlinked rather than
+    // truncated, so whoever still reads it keeps reading what it held.
     hid_t fapl = latest_fapl();
-    file_ = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
+    H5Pset_file_locking(fapl, false, true);
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT)
+      DMI_FAIL("{}: cannot replace it: {}", path, std::strerror(errno));
+    file_ = H5Fcreate(path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl);
     H5Pclose(fapl);
     DMI_CHECK(file_ >= 0, "{}: cannot create capture file", path);
     set_attr_text(file_, "format", "dmi-capture");
@@ -431,7 +441,7 @@ class Hdf5Sink final : public Sink {
       DMI_FAIL("{}", write_failure());
     }
     H5_CHECK(H5Fflush(file_, H5F_SCOPE_GLOBAL), "{}", write_failure());
-    H5_CHECK(H5Fstart_swmr_write(file_), "{}: cannot start SWMR writing", path_);
+    H5_CHECK(H5Fstart_swmr_write(file_), "{}: cannot start SWMR writing ({})", path_, error_stack_text());
     last_flush_ = std::chrono::steady_clock::now();
   }
 

@@ -88,6 +88,7 @@ int main(int argc, char** argv) {
   dmi::engine::BenchConfig cfg;
   int threads = 0;
   bool quiet = false;
+  double progress_every = -1;
   app.add_option("-m,--model", model_dir, "HF model directory or TorchScript .pt file (default: the embedded model)");
   app.add_option("--hook-map", hook_map, "TorchScript only: hook map JSON (as for dmi-run)");
   app.add_option("--dtype", dtype, "compute dtype")->capture_default_str()->check(CLI::IsMember({"float32", "bfloat16"}));
@@ -109,6 +110,9 @@ int main(int argc, char** argv) {
   app.add_option("--monitor", cfg.monitors, "monitor specs for the monitor mode, as dmi-run --monitor (repeatable; "
                  "default resid-norm; token-range spans only)")->allow_extra_args(false);
   app.add_flag("-q,--quiet", quiet, "no progress on stderr");
+  app.add_option("--progress-every", progress_every,
+                 "seconds between updates of the live line on a terminal (default 0.25); elsewhere a line per run")
+      ->check(dmi::apps::kPositive);
   if (int rc = dmi::apps::parse_args("dmi-bench", app, argc, argv); rc >= 0) return rc;
   dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(dtype, model_dir));
   return dmi::apps::guarded("dmi-bench", [&] {
@@ -128,7 +132,7 @@ int main(int argc, char** argv) {
                    model->weight_bytes() / 1e6, bw, floor_ms);
     // On a terminal one live line (runs done, ETA); otherwise a line per run.
     dmi::engine::Progress progress;
-    dmi::engine::ProgressOptions po = dmi::apps::progress_options(quiet, -1);
+    dmi::engine::ProgressOptions po = dmi::apps::progress_options(quiet, progress_every);
     po.enabled = po.enabled && ::isatty(::fileno(stderr));
     dmi::engine::ProgressLine line("dmi-bench", "runs", progress, po);
     auto runs = dmi::engine::run_bench(*model, cfg, [&](std::size_t done, std::size_t total, const auto& r) {

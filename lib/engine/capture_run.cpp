@@ -67,6 +67,8 @@ void check_output_path(const CaptureConfig& c) {
   DMI_CHECK(::access(dir.c_str(), W_OK) == 0, "--output {}: cannot write to {}: {}", path, dir, std::strerror(errno));
   if (::stat(path.c_str(), &st) == 0) {
     DMI_CHECK(!S_ISDIR(st.st_mode), "--output {} is a directory", path);
+    DMI_CHECK(S_ISREG(st.st_mode), "--output {} is not a regular file (a device or pipe); for no file use --sink null",
+              path);
     DMI_CHECK(c.overwrite, "--output {} exists; pass --overwrite to replace it", path);
     DMI_CHECK(::access(path.c_str(), W_OK) == 0, "--output {}: cannot replace it: {}", path, std::strerror(errno));
   }

@@ -3,6 +3,7 @@
 #include <hdf5.h>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -354,13 +355,15 @@ class Hdf5Sink final : public Sink {
     // opens the file in between (dmi-inspect --follow started before the
     // run) made that fail and ended the run. After SWMR writing starts the
     // file is unlocked anyway; until then the superblock's open-for-writing
-    // flag keeps readers out. A file being replaced is unlinked rather than
-    // truncated, so whoever still reads it keeps reading what it held.
+    // flag keeps readers out. A regular file being replaced is unlinked
+    // rather than truncated, so whoever still reads it keeps reading what
+    // it held (a symbolic link is written through, as before).
     hid_t fapl = latest_fapl();
     H5Pset_file_locking(fapl, false, true);
-    if (::unlink(path.c_str()) != 0 && errno != ENOENT)
+    struct stat st {};
+    if (::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::unlink(path.c_str()) != 0)
       DMI_FAIL("{}: cannot replace it: {}", path, std::strerror(errno));
-    file_ = H5Fcreate(path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl);
+    file_ = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
     H5Pclose(fapl);
     DMI_CHECK(file_ >= 0, "{}: cannot create capture file", path);
     set_attr_text(file_, "format", "dmi-capture");

@@ -7,6 +7,7 @@ problem, nothing on stdout, no crash.
 import json
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -159,6 +160,13 @@ elif case == "output-read-only":
         sys.exit(77)
     args += ["--model", good, "--hooks", "resid_post", "-o", os.path.join(ro, "x.h5")]
     expect = "is on a read-only file system"
+elif case == "output-not-a-file":
+    # A pipe (or /dev/null) is never replaced, not even with --overwrite: the
+    # writer unlinks the regular file it replaces.
+    fifo = os.path.join(tmp, "pipe")
+    os.mkfifo(fifo)
+    args += ["--model", good, "--hooks", "resid_post", "-o", fifo, "--overwrite"]
+    expect = "is not a regular file"
 elif case == "range-in-words":
     args += ["--model", good, "--batch-size", "0"]
     expect = "--batch-size: must be at least 1 (got 0)"
@@ -169,6 +177,9 @@ r = subprocess.run([dmi_run] + args, capture_output=True, text=True, errors="rep
 if case == "output-read-only":
     subprocess.run(["umount", os.path.join(tmp, "ro")], capture_output=True)
 left_behind = [f for f in os.listdir(tmp) if f.endswith(".h5") and f != "exists.h5"]
+if case == "output-not-a-file" and not stat.S_ISFIFO(os.stat(os.path.join(tmp, "pipe")).st_mode):
+    print("FAIL: the pipe was replaced")
+    sys.exit(1)
 if case == "output-exists" and open(os.path.join(tmp, "exists.h5")).read() != "precious":
     print("FAIL: the existing file was touched")
     sys.exit(1)

@@ -65,8 +65,8 @@ inline std::vector<hsize_t> dims_of(hid_t dset) {
 }
 
 // HDF5's own account of the last failure on this thread: the error stack's
-// messages from the outermost call inwards ("unable to flush superblock:
-// ... : file write failed"), or "" when the stack is empty. HDF5 errors
+// messages from the outermost call inwards ("unable to start SWMR writing:
+// unable to lock the file: ..."), or "" when the stack is empty. HDF5 errors
 // reach the user through dmi::Error, so this is what names the cause.
 inline std::string error_stack_text() {
   std::string out;

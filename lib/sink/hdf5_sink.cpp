@@ -358,11 +358,11 @@ class Hdf5Sink final : public Sink {
     // flag keeps readers out. A regular file being replaced is unlinked
     // rather than truncated, so whoever still reads it keeps reading what
     // it held (a symbolic link is written through, as before).
-    hid_t fapl = latest_fapl();
-    H5Pset_file_locking(fapl, false, true);
     struct stat st {};
     if (::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::unlink(path.c_str()) != 0)
       DMI_FAIL("{}: cannot replace it: {}", path, std::strerror(errno));
+    hid_t fapl = latest_fapl();
+    H5Pset_file_locking(fapl, false, true);
     file_ = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
     H5Pclose(fapl);
     DMI_CHECK(file_ >= 0, "{}: cannot create capture file", path);

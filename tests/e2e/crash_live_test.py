@@ -236,7 +236,8 @@ elif case == "open-race":
     # writing (a watcher started before the run): HDF5 1.10.8 unlocks and
     # relocks the file inside H5Fstart_swmr_write, and a reader's shared lock
     # taken in between used to end the run ("cannot start SWMR writing");
-    # 4 of 16 runs did with this setup. The readers may fail, never the run.
+    # on the old code this test failed 4 times in 4 (at runs 3 to 10). The
+    # readers may fail to open; the run may not.
     def hammer(path, stop, counts):
         tries = opened = 0
         while not stop.is_set():

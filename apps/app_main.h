@@ -100,11 +100,11 @@ inline int parse_args(const char* tool, CLI::App& app, int argc, char** argv) {
 // -q and --progress-every: progress on stderr, a live line on a terminal
 // (updated every 0.25 s), else a plain line every 10 s; --progress-every
 // sets either interval (engine/progress.h).
-inline void add_progress_every(CLI::App& app, double& every) {
-  app.add_option("--progress-every", every,
-                 "seconds between progress lines when stderr is not a terminal (default 10), or between updates "
-                 "of the live line on a terminal (default 0.25)")
-      ->check(number_check(0, 1e300, true, "greater than 0"));
+inline void add_progress_every(CLI::App& app, double& every,
+                               const std::string& help = "seconds between progress lines when stderr is not a "
+                                                         "terminal (default 10), or between updates of the live "
+                                                         "line on a terminal (default 0.25)") {
+  app.add_option("--progress-every", every, help)->check(kPositive);
 }
 inline engine::ProgressOptions progress_options(bool quiet, double every) {
   engine::ProgressOptions o;

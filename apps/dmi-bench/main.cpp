@@ -110,9 +110,8 @@ int main(int argc, char** argv) {
   app.add_option("--monitor", cfg.monitors, "monitor specs for the monitor mode, as dmi-run --monitor (repeatable; "
                  "default resid-norm; token-range spans only)")->allow_extra_args(false);
   app.add_flag("-q,--quiet", quiet, "no progress on stderr");
-  app.add_option("--progress-every", progress_every,
-                 "seconds between updates of the live line on a terminal (default 0.25); elsewhere a line per run")
-      ->check(dmi::apps::kPositive);
+  dmi::apps::add_progress_every(
+      app, progress_every, "seconds between updates of the live line on a terminal (default 0.25); elsewhere a line per run");
   if (int rc = dmi::apps::parse_args("dmi-bench", app, argc, argv); rc >= 0) return rc;
   dmi::engine::prepare_process_env(argc, argv, dmi::engine::math_owner_for(dtype, model_dir));
   return dmi::apps::guarded("dmi-bench", [&] {

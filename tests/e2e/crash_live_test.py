@@ -33,13 +33,13 @@ def fail(msg):
     sys.exit(1)
 
 
-def run_args(out, n_new):
+def run_args(out, n_new, prompts=tuple(f"5,6,7,{10 + i}" for i in range(8))):
     # 8 prompts x n_new tokens, batch 2: many decode steps, so a kill or a
     # look lands mid-run on any machine.
     args = [DMI_RUN, "-q", "--model", MODEL, "-n", str(n_new), "--ignore-eos", "--batch-size", "2",
             "--hooks", "residual,logits", "--logits", "topk:8", "--flush-every", "0.2", "-o", out, "--overwrite"]
-    for i in range(8):
-        args += ["--prompt-ids", f"5,6,7,{10 + i}"]
+    for p in prompts:
+        args += ["--prompt-ids", p]
     return args
 
 
@@ -259,8 +259,8 @@ elif case == "open-race":
         readers = [multiprocessing.Process(target=hammer, args=(out, stop, counts)) for _ in range(2)]
         for r in readers:
             r.start()
-        args = run_args(out, 4)[:-16] + ["--prompt-ids", "5,6,7,10"]  # one short prompt: many starts per second
-        r = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        # one short prompt: many starts per second
+        r = subprocess.run(run_args(out, 4, ["5,6,7,10"]), capture_output=True, text=True, timeout=300)
         stop.set()
         for _ in readers:
             t, o = counts.get(timeout=60)
@@ -278,8 +278,7 @@ elif case == "open-race":
     # (a new file), and the reader goes on reading the old one intact.
     old = h5py.File(out, "r")
     old_tokens = old["sequences/tokens"][:]
-    args = run_args(out, 6)[:-16] + ["--prompt-ids", "5,6,8"]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(run_args(out, 6, ["5,6,8"]), capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         fail(f"--overwrite while a reader has the file open: exit {r.returncode}: {r.stderr.strip()}")
     if not np.array_equal(old["sequences/tokens"][:], old_tokens) or old.attrs["status"] != "complete":

@@ -22,6 +22,11 @@ matmuls take the path such CPUs get) and dmi with DMI_KERNELS=avx512.
 Reported per batch size: decode tokens/s of each engine and dmi/eager
 (target: >= 3x at batch 8), TPOT / the weight-read floor that dmi-bench
 measures (target: <= 1.3x at batch 1), prefill tokens/s and dmi/eager.
+Then the machine's line: the batch's step floor that dmi-bench measures
+(weights read once, or the batch's projections at the kernels' measured
+peak multiply-add rate, whichever is longer), dmi's TPOT against it, and
+what 3x eager's decode and 2x eager's prefill would need of it: a target
+that needs less than 1x the floor is beyond this machine.
 """
 import argparse
 import json
@@ -70,9 +75,14 @@ def run_dmi(a, out, kernels=None, binary=None):
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=engine_env(a, kernels))
     with open(out) as f:
         j = json.load(f)
+    # The machine's floor for each batch (dmi-bench's MachineFloor); a binary
+    # from before it existed has only the weight-read floor.
     res = {s["batch"]: {"decode_tps": s["decode_tokens_per_second"], "prefill_tps": s["prefill_tokens_per_second"],
-                        "tpot_ms": s["time_per_output_token_ms"]} for s in j["summary"]}
+                        "tpot_ms": s["time_per_output_token_ms"],
+                        "step_floor_ms": s.get("step_floor_ms", j["decode_floor_ms"]),
+                        "prefill_ceiling_tps": s.get("prefill_ceiling_tokens_per_second")} for s in j["summary"]}
     return res, {"floor_ms": j["decode_floor_ms"], "bandwidth_gbs": j["read_bandwidth_gbs"], "kernels": j["kernels"],
+                 "peak_gmacs": j.get("peak_macs_per_second", 0) / 1e9, "peak_instruction": j.get("peak_instruction", ""),
                  "cpu_flags": j["environment"]["cpu_flags"], "cpu_model": j["environment"]["cpu_model"]}
 
 
@@ -124,7 +134,12 @@ def main():
     print(f"CPU {m['cpu_model']} [{' '.join(m['cpu_flags'])}]")
     floors = [rd["meta"]["dmi"]["floor_ms"] for rd in rounds]
     print(f"weight-read floor {statistics.median(floors):.1f} ms/step (read bandwidth "
-          f"{statistics.median(rd['meta']['dmi']['bandwidth_gbs'] for rd in rounds):.1f} GB/s)\n")
+          f"{statistics.median(rd['meta']['dmi']['bandwidth_gbs'] for rd in rounds):.1f} GB/s)")
+    peaks = [rd["meta"]["dmi"]["peak_gmacs"] for rd in rounds]
+    if all(peaks):
+        print(f"compute peak {statistics.median(peaks):.1f} G multiply-adds/s ({m['peak_instruction']}): "
+              "a batch's step floor is the longer of reading the weights and its projections at that peak")
+    print()
     names = [n for n, _ in engines]
     for b in sorted(rounds[0]["results"]["dmi"]):
         print(f"batch {b}")
@@ -139,6 +154,19 @@ def main():
                          f"  prefill {spread([p / rd['results']['eager'][b]['prefill_tps'] for p, rd in zip(pre, rounds)])}"
                          f"  | TPOT/floor {spread([t / rd['meta']['dmi']['floor_ms'] for t, rd in zip(tpot, rounds)])}")
             print(line)
+        # What the targets ask of this machine, round by round: 3x eager's
+        # decode tokens/s and 2x its prefill tokens/s against the floor.
+        fl = [rd["results"]["dmi"][b]["step_floor_ms"] for rd in rounds]
+        need = [rd["results"]["eager"][b]["tpot_ms"] / 3 for rd in rounds]
+        line = (f"  machine      step floor {statistics.median(fl):.1f} ms; dmi at {spread([rd['results']['dmi'][b]['tpot_ms'] / f for rd, f in zip(rounds, fl)])} of it;"
+                f" 3x eager's decode needs a {statistics.median(need):.1f} ms step, {spread([n / f for n, f in zip(need, fl)])} of it")
+        ceil = [rd["results"]["dmi"][b]["prefill_ceiling_tps"] for rd in rounds]
+        if all(ceil):
+            want = [2 * rd["results"]["eager"][b]["prefill_tps"] for rd in rounds]
+            line += (f"; prefill ceiling {statistics.median(ceil):.1f} tok/s, dmi at "
+                     f"{spread([rd['results']['dmi'][b]['prefill_tps'] / c for rd, c in zip(rounds, ceil)])} of it,"
+                     f" 2x eager needs {spread([w / c for w, c in zip(want, ceil)])} of it")
+        print(line)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "rounds": rounds}, f, indent=1)

@@ -73,6 +73,9 @@ int main(int argc, char** argv) {
       "Modes are interleaved within each repeat, starting at a different mode each repeat; overhead\n"
       "is time / time of 'off' in the same repeat, end to end and for the median decode step; the table\n"
       "shows medians and, from 6 repeats on, distribution-free 95% confidence intervals of them.\n"
+      "TPOT/floor: the decode step against the machine's floor for its batch, measured here: the\n"
+      "weights read once at the probed read bandwidth, or the batch's projections at the kernels'\n"
+      "peak multiply-add rate, whichever is longer (--json also has the prefill ceiling).\n"
       "\nExamples:\n"
       "  dmi-bench                                             # the default model, bf16, batch 1 and 8\n"
       "  dmi-bench --model build/bench-models/qwen3-0.6b-shape --batch-sizes 1,8 --hooks residual --json r.json\n"
@@ -125,6 +128,7 @@ int main(int argc, char** argv) {
     auto model = dmi::model::load_model(model_dir, dtype == "bfloat16" ? at::kBFloat16 : at::kFloat, {hook_map});
     double bw = dmi::engine::measure_read_bandwidth_gbs();
     double floor_ms = model->weight_bytes() / (bw * 1e9) * 1000.0;
+    auto peak = dmi::kernels::measure_peak_macs_per_second(model->kernel_isa(), model->dtype());
     if (!quiet)
       std::fprintf(stderr, "dmi-bench: %s (%s, %s), %d threads; weights %.1f MB, read bandwidth %.1f GB/s -> decode floor %.1f ms/step\n",
                    model_dir.c_str(), model->config().architecture.c_str(), dtype.c_str(), threads,
@@ -147,6 +151,11 @@ int main(int argc, char** argv) {
     // the first probe does not make the floor several times too slow.
     bw = std::max(bw, dmi::engine::measure_read_bandwidth_gbs());
     floor_ms = model->weight_bytes() / (bw * 1e9) * 1000.0;
+    // The same for the compute peak: the faster of the two probes.
+    const auto peak2 = dmi::kernels::measure_peak_macs_per_second(model->kernel_isa(), model->dtype());
+    peak.macs_per_second = std::max(peak.macs_per_second, peak2.macs_per_second);
+    const dmi::engine::MachineFloor machine{static_cast<double>(model->weight_bytes()), bw, peak.macs_per_second,
+                                            model->projection_work()};
     // Summary per configuration: medians, overhead spread.
     struct Key {
       std::int64_t batch;
@@ -167,14 +176,21 @@ int main(int argc, char** argv) {
                model->config().architecture, dtype, threads, cfg.prompt_len, cfg.new_tokens, cfg.repeats, cfg.warmup);
     fmt::print("weights {:.1f} MB at {:.1f} GB/s read bandwidth: decode floor {:.1f} ms/step\n",
                model->weight_bytes() / 1e6, bw, floor_ms);
+    if (machine.compute_ms_per_token() > 0)
+      fmt::print("projections {:.3f} G multiply-adds per token at {:.1f} G/s peak ({}, {} threads): compute floor "
+                 "{:.2f} ms per token of a batch\n",
+                 (machine.work.per_token + machine.work.per_logits_row) / 1e9, peak.macs_per_second / 1e9,
+                 peak.instruction, threads, machine.compute_ms_per_token());
+    else
+      fmt::print("no compute floor: the {} kernels' peak rate is not measured\n", dmi::kernels::isa_name(model->kernel_isa()));
     const json env = json::parse(dmi::engine::environment_json(threads));
     fmt::print("kernels {}; CPU {} [{}]\n\n", model->kernels(), env["cpu_model"].get<std::string>(),
                fmt::join(env["cpu_flags"].get<std::vector<std::string>>(), " "));
-    fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>9} {:>9} {:>15} {:>9} {:>15} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7}\n",
-               "batch", "hooks", "mode", "prefill", "decode", "TPOT", "e2e", "overhead", "[95% CI]", "step", "[95% CI]",
-               "MB", "MB/s", "RSS MB", "ring MB", "wait s", "sink s");
-    fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>9} {:>9} {:>15} {:>9}\n", "", "", "", "tok/s", "tok/s", "ms",
-               "tok/s", "(e2e)", "", "overhead");
+    fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>6} {:>9} {:>9} {:>15} {:>9} {:>15} {:>9} {:>9} {:>8} {:>8} {:>7} {:>7}\n",
+               "batch", "hooks", "mode", "prefill", "decode", "TPOT", "TPOT/", "e2e", "overhead", "[95% CI]", "step",
+               "[95% CI]", "MB", "MB/s", "RSS MB", "ring MB", "wait s", "sink s");
+    fmt::print("{:>5} {:<12} {:<12} {:>9} {:>9} {:>8} {:>6} {:>9} {:>9} {:>15} {:>9}\n", "", "", "", "tok/s", "tok/s",
+               "ms", "floor", "tok/s", "(e2e)", "", "overhead");
     for (const auto& k : order) {
       const auto& g = groups[k];
       auto med = [&](auto f) {
@@ -210,15 +226,23 @@ int main(int argc, char** argv) {
                 {"intervene_seconds", med([](const auto& r) { return r.intervene_seconds; })},
                 {"intervene_share", med([](const auto& r) { return r.seconds > 0 ? r.intervene_seconds / r.seconds : 0.0; })},
                 {"capture_finish_seconds", med([](const auto& r) { return r.capture_finish_seconds; })}};
+      // Against what the machine allows this batch (MachineFloor).
+      const double step_floor = machine.decode_step_ms(k.batch);
+      const double prefill_ceiling = machine.prefill_tokens_per_second(k.batch, cfg.prompt_len);
+      s["step_floor_ms"] = step_floor;
+      s["tpot_over_floor"] = s["time_per_output_token_ms"].get<double>() / step_floor;
+      s["prefill_ceiling_tokens_per_second"] = prefill_ceiling;
+      s["prefill_share_of_ceiling"] = prefill_ceiling > 0 ? s["prefill_tokens_per_second"].get<double>() / prefill_ceiling : 0.0;
       const auto ci = dmi::engine::median_ci95(ov), sci = dmi::engine::median_ci95(sov);
       if (ci) s["overhead_ci95"] = {ci->first, ci->second};
       if (sci) s["step_overhead_ci95"] = {sci->first, sci->second};
       auto ci_str = [](const auto& c) { return c ? fmt::format("[{:.3f}-{:.3f}]", c->first, c->second) : std::string("-"); };
       summary.push_back(s);
-      fmt::print("{:>5} {:<12} {:<12} {:>9.1f} {:>9.1f} {:>8.1f} {:>9.1f} {:>8.3f}x {:>15} {:>8.3f}x {:>15} {:>9.1f} {:>9.1f} {:>8.0f} {:>8.1f} {:>7.3f} {:>7.3f}\n",
+      fmt::print("{:>5} {:<12} {:<12} {:>9.1f} {:>9.1f} {:>8.1f} {:>5.2f}x {:>9.1f} {:>8.3f}x {:>15} {:>8.3f}x {:>15} {:>9.1f} {:>9.1f} {:>8.0f} {:>8.1f} {:>7.3f} {:>7.3f}\n",
                  k.batch, k.hooks.size() > 12 ? k.hooks.substr(0, 11) + "~" : k.hooks, k.mode,
                  s["prefill_tokens_per_second"].get<double>(), s["decode_tokens_per_second"].get<double>(),
-                 s["time_per_output_token_ms"].get<double>(), s["end_to_end_tokens_per_second"].get<double>(),
+                 s["time_per_output_token_ms"].get<double>(), s["tpot_over_floor"].get<double>(),
+                 s["end_to_end_tokens_per_second"].get<double>(),
                  s["overhead"].get<double>(), ci_str(ci), s["step_overhead"].get<double>(), ci_str(sci), mb,
                  s["bytes_per_second"].get<double>() / 1e6, s["peak_rss_mb"].get<double>(),
                  s["ring_high_water_bytes"].get<double>() / 1e6, s["producer_wait_seconds"].get<double>(),
@@ -233,6 +257,10 @@ int main(int argc, char** argv) {
                 {"repeats", cfg.repeats}, {"warmup", cfg.warmup}, {"batch_sizes", cfg.batch_sizes},
                 {"hooks", cfg.hooks}, {"modes", cfg.modes}, {"weight_bytes", model->weight_bytes()},
                 {"read_bandwidth_gbs", bw}, {"decode_floor_ms", floor_ms}, {"kernels", model->kernels()},
+                {"peak_macs_per_second", peak.macs_per_second}, {"peak_instruction", peak.instruction},
+                {"projection_macs_per_token", machine.work.per_token},
+                {"lm_head_macs_per_row", machine.work.per_logits_row},
+                {"compute_floor_ms_per_token", machine.compute_ms_per_token()},
                 {"environment", env}, {"summary", summary},
                 {"runs", json::array()}};
       for (const auto& r : runs)

@@ -76,6 +76,27 @@ double measure_read_bandwidth_gbs(std::size_t bytes) {
   return best;
 }
 
+double MachineFloor::compute_ms_per_token() const {
+  if (peak_macs_per_second <= 0) return 0;
+  return static_cast<double>(work.per_token + work.per_logits_row) / peak_macs_per_second * 1e3;
+}
+
+double MachineFloor::decode_step_ms(std::int64_t batch) const {
+  const double read_ms = read_bandwidth_gbs > 0 ? weight_bytes / (read_bandwidth_gbs * 1e9) * 1e3 : 0;
+  return std::max(read_ms, static_cast<double>(batch) * compute_ms_per_token());
+}
+
+double MachineFloor::prefill_tokens_per_second(std::int64_t batch, std::int64_t prompt) const {
+  const double read_s = read_bandwidth_gbs > 0 ? weight_bytes / (read_bandwidth_gbs * 1e9) : 0;
+  const double compute_s =
+      peak_macs_per_second > 0
+          ? static_cast<double>(batch) * static_cast<double>(prompt * work.per_token + work.per_logits_row) /
+                peak_macs_per_second
+          : 0;
+  const double s = std::max(read_s, compute_s);
+  return s > 0 ? static_cast<double>(batch * prompt) / s : 0;
+}
+
 void validate_bench_config(const BenchConfig& cfg) {
   DMI_CHECK(!cfg.modes.empty(), "--modes selects no mode");
   for (const auto& m : cfg.modes)

@@ -81,6 +81,13 @@ void gemm_f32w_avx512(const GemmArgs& a);
 void gemm_f32w_avx2(const GemmArgs& a);
 void gemm_f32w_scalar(const GemmArgs& a);
 
+// The kernels' multiply-add instruction alone (vdpbf16ps, or the fp32 FMA of
+// that width), `iterations` times in 12 independent chains; returns the
+// multiply-adds done. For measure_peak_macs_per_second (kernels/linear.h).
+int64_t peak_macs_avx512bf16(int64_t iterations);
+int64_t peak_macs_avx512(int64_t iterations);
+int64_t peak_macs_avx2(int64_t iterations);
+
 // One attention score row (kernels/ops.cpp): false when D is not a multiple
 // of 16 (the caller falls back to the portable loop).
 bool scores_row_avx512(const uint16_t* q, const uint16_t* keys, const bool* masked, uint16_t* out, int64_t L,

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 
@@ -82,6 +83,38 @@ std::string describe(Isa isa, at::ScalarType dtype) {
     case Isa::avx512_bf16: how = dtype == at::kBFloat16 ? "vdpbf16ps" : "FMA"; break;
   }
   return fmt::format("{} ({}), {} threads", isa_name(isa), how, at::get_num_threads());
+}
+
+PeakRate measure_peak_macs_per_second(Isa isa, at::ScalarType dtype) {
+  DMI_CHECK(isa == Isa::aten || static_cast<int>(isa) <= static_cast<int>(detect_isa()),
+            "peak rate: this CPU cannot run the {} kernels", isa_name(isa));
+  PeakRate rate;
+  std::int64_t (*loop)(std::int64_t) = nullptr;
+  if (isa == Isa::avx512_bf16 && dtype == at::kBFloat16) {
+    loop = detail::peak_macs_avx512bf16, rate.instruction = "vdpbf16ps";
+  } else if (isa == Isa::avx512_bf16 || isa == Isa::avx512) {
+    loop = detail::peak_macs_avx512, rate.instruction = "FMA zmm";
+  } else if (isa == Isa::avx2) {
+    loop = detail::peak_macs_avx2, rate.instruction = "FMA ymm";
+  } else {
+    return rate;
+  }
+  // Every thread of the pool runs the loop at once, as the projections do:
+  // two threads on one core's SMT siblings share its units.
+  const std::int64_t threads = at::get_num_threads();
+  auto run = [&](std::int64_t iterations) {  // multiply-adds per second
+    std::atomic<std::int64_t> macs{0};
+    const auto t0 = std::chrono::steady_clock::now();
+    at::parallel_for(0, threads, 1, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t t = begin; t < end; ++t) macs += loop(iterations);
+    });
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return std::make_pair(static_cast<double>(macs.load()) / s, s);
+  };
+  std::int64_t iterations = 1 << 14;
+  while (iterations < (std::int64_t{1} << 30) && run(iterations).second < 0.02) iterations *= 2;
+  for (int i = 0; i < 3; ++i) rate.macs_per_second = std::max(rate.macs_per_second, run(iterations).first);
+  return rate;
 }
 
 namespace {

@@ -32,6 +32,19 @@ Isa selected_isa();
 // One line for logs and benchmark reports: "avx512_bf16 (vdpbf16ps), 2 threads".
 std::string describe(Isa isa, at::ScalarType dtype);
 
+// The compute ceiling of the projections: multiply-adds per second that the
+// instruction of `isa`'s kernels for `dtype` sustains when it does nothing
+// else, on all of LibTorch's threads at once (vdpbf16ps: 32 per instruction;
+// the fp32 FMA: 16 with AVX-512, 8 with AVX2, also where bf16 weights are
+// widened first). Best of three runs of about 20 ms. A kernel also loads and
+// broadcasts, so it can only come close. 0 for aten and scalar, whose
+// instructions are the compiler's choice. dmi-bench's compute floor.
+struct PeakRate {
+  double macs_per_second = 0;
+  std::string instruction;  // "vdpbf16ps", "FMA zmm", "FMA ymm"; empty when unknown
+};
+PeakRate measure_peak_macs_per_second(Isa isa, at::ScalarType dtype);
+
 class PackedLinear {
  public:
   PackedLinear() = default;

@@ -12,6 +12,7 @@
 #include "hooks/site.h"
 #include "io/config.h"
 #include "io/fingerprint.h"
+#include "kernels/linear.h"
 
 namespace dmi::model {
 
@@ -26,6 +27,13 @@ struct KVCache {
   at::Tensor tokens;
   std::vector<at::Tensor> state;
   std::int64_t capacity = 0;
+};
+
+// Multiply-adds of the products with weight matrices (the projections): per
+// token through the layers, and per row of logits the LM head computes.
+// Attention and the row operations are not counted.
+struct ProjectionWork {
+  std::int64_t per_token = 0, per_logits_row = 0;
 };
 
 struct ForwardInput {
@@ -58,6 +66,10 @@ class CausalLM {
   virtual std::size_t weight_bytes() const = 0;
   // Which kernels compute the forward pass, in words (benchmarks, logs).
   virtual std::string kernels() const { return "aten"; }
+  // The kernels' choice (kernels/linear.h); aten where ATen computes it.
+  virtual kernels::Isa kernel_isa() const { return kernels::Isa::aten; }
+  // What the projections cost (benchmarks' compute floor); zero when unknown.
+  virtual ProjectionWork projection_work() const { return {}; }
   // The sites this model's forward produces (for --hooks).
   virtual hooks::SiteSpace site_space() const {
     return {static_cast<int>(config().num_layers), config().qk_norm, {}};

@@ -65,6 +65,14 @@ LlamaFamily::LlamaFamily(io::ModelConfig cfg, const io::WeightStore& w, at::Scal
   inv_freq_ = rope_inv_freq(cfg_.rope, D);
 }
 
+ProjectionWork LlamaFamily::projection_work() const {
+  auto macs = [](const kernels::PackedLinear& l) { return l.in_features() * l.out_features(); };
+  ProjectionWork w;
+  for (const Layer& l : layers_) w.per_token += macs(l.qkv) + macs(l.o) + macs(l.gate_up) + macs(l.down);
+  w.per_logits_row = macs(lm_head_);
+  return w;
+}
+
 KVCache LlamaFamily::new_cache(std::int64_t batch, std::int64_t capacity) const {
   KVCache c;
   c.capacity = capacity;

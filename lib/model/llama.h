@@ -18,6 +18,8 @@ class LlamaFamily final : public CausalLM {
   at::Tensor forward(const ForwardInput& in, KVCache& cache, hooks::Observer* observer) override;
   std::size_t weight_bytes() const override { return weight_bytes_; }
   std::string kernels() const override { return kernels::describe(lm_head_.isa(), dtype_); }
+  kernels::Isa kernel_isa() const override { return lm_head_.isa(); }
+  ProjectionWork projection_work() const override;
 
  private:
   struct Layer {

@@ -23,9 +23,34 @@ r = subprocess.run([bench, "-q", "--model", os.path.join(models, "qwen3-untied-f
 if r.returncode != 0:
     sys.exit(f"FAIL: dmi-bench exited {r.returncode}: {r.stderr}")
 j = json.load(open(out))
-for k in ("model", "dtype", "weight_bytes", "read_bandwidth_gbs", "decode_floor_ms", "summary", "runs"):
+for k in ("model", "dtype", "weight_bytes", "read_bandwidth_gbs", "decode_floor_ms", "summary", "runs",
+          "peak_macs_per_second", "peak_instruction", "projection_macs_per_token", "lm_head_macs_per_row",
+          "compute_floor_ms_per_token"):
     if k not in j:
         sys.exit(f"FAIL: JSON lacks {k}")
+# The machine floor: the model's projections counted from its config.json,
+# the peak rate measured with the instruction of the kernels that ran.
+cfg = json.load(open(os.path.join(models, "qwen3-untied-f32", "config.json")))
+d, F, V, H, KV = (cfg[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
+                                   "num_key_value_heads"))
+D, layers = cfg["head_dim"], cfg["num_hidden_layers"]
+if j["projection_macs_per_token"] != layers * (d * (H + 2 * KV) * D + H * D * d + 3 * d * F) or \
+        j["lm_head_macs_per_row"] != d * V:
+    sys.exit(f"FAIL: projection work {j['projection_macs_per_token']}, {j['lm_head_macs_per_row']}")
+isa = j["kernels"].split()[0]
+want = {"avx512_bf16": "FMA zmm", "avx512": "FMA zmm", "avx2": "FMA ymm"}.get(isa, "")  # float32 weights
+if j["peak_instruction"] != want or (j["peak_macs_per_second"] > 0) != bool(want):
+    sys.exit(f"FAIL: kernels {isa}: peak {j['peak_macs_per_second']} with '{j['peak_instruction']}'")
+if want and abs(j["compute_floor_ms_per_token"] - 1e3 * (j["projection_macs_per_token"] + j["lm_head_macs_per_row"])
+                / j["peak_macs_per_second"]) > 1e-9 * j["compute_floor_ms_per_token"]:
+    sys.exit(f"FAIL: compute floor {j['compute_floor_ms_per_token']}")
+for s in j["summary"]:
+    floor = max(j["decode_floor_ms"], s["batch"] * j["compute_floor_ms_per_token"])
+    if abs(s["step_floor_ms"] - floor) > 1e-9 * floor or \
+            abs(s["tpot_over_floor"] - s["time_per_output_token_ms"] / floor) > 1e-9 * s["tpot_over_floor"]:
+        sys.exit(f"FAIL: batch {s['batch']}: step floor {s['step_floor_ms']}, want {floor}")
+    if not 0 < s["prefill_share_of_ceiling"] or not s["prefill_ceiling_tokens_per_second"] > 0:
+        sys.exit(f"FAIL: prefill ceiling {s['prefill_ceiling_tokens_per_second']}")
 want = {(b, h, m) for b in (1, 2) for h in j["hooks"] for m in modes}
 got = {(s["batch"], s["hooks"], s["mode"]) for s in j["summary"]}
 if got != want:

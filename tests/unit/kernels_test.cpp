@@ -184,6 +184,28 @@ TEST_CASE("kernels: aten (at::linear) stays available for comparison") {
   CHECK(at::allclose(lin(x), at::linear(x, w, b), 1e-5, 1e-5));
 }
 
+TEST_CASE("kernels: the peak multiply-add rate is measured with each kernel's own instruction") {
+  using namespace dmi::kernels;
+  for (Isa isa : supported())
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      CAPTURE(isa_name(isa));
+      CAPTURE(dtype);
+      const PeakRate r = measure_peak_macs_per_second(isa, dtype);
+      if (isa == Isa::scalar) {
+        CHECK(r.macs_per_second == 0);
+        CHECK(r.instruction.empty());
+        continue;
+      }
+      CHECK(r.macs_per_second > 0);
+      const char* want = isa == Isa::avx2                                           ? "FMA ymm"
+                         : isa == Isa::avx512_bf16 && dtype == at::kBFloat16 ? "vdpbf16ps"
+                                                                                    : "FMA zmm";
+      CHECK(r.instruction == want);
+    }
+  CHECK(measure_peak_macs_per_second(Isa::aten, at::kBFloat16).macs_per_second == 0);
+  if (detect_isa() != Isa::avx512_bf16) CHECK_THROWS_AS(measure_peak_macs_per_second(Isa::avx512_bf16, at::kBFloat16), dmi::Error);
+}
+
 // ---------------------------------------------------------------------------
 // kernels/ops: against the ATen expressions of Hugging Face's eager code.
 

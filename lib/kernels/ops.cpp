@@ -262,21 +262,43 @@ std::int64_t grain(std::int64_t work) {
   return std::max<std::int64_t>(1, kGrain / std::max<std::int64_t>(1, work));
 }
 
+// x's rows are [outer, inner]: row (o, i) starts at x + o * outer_stride +
+// i * n (a contiguous x is one outer block); out is contiguous.
 template <class E>
-void rms_norm_rows(const E* x, const E* w, E* out, std::int64_t rows, std::int64_t n, float eps) {
+void rms_norm_rows(const E* x, const E* w, E* out, std::int64_t rows, std::int64_t n, std::int64_t inner,
+                   std::int64_t outer_stride, float eps) {
   at::parallel_for(0, rows, grain(2 * n), [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t r = begin; r < end; ++r) rms_norm_row_any(x + r * n, w, out + r * n, n, eps);
+    for (std::int64_t r = begin; r < end; ++r)
+      rms_norm_row_any(x + r / inner * outer_stride + r % inner * n, w, out + r * n, n, eps);
   });
 }
 
+// Position bt of x starts at x + bt * x_stride (heads of D contiguous after it).
 template <class E>
-void rope_rows(const E* x, const E* cos, const E* sin, E* out, std::int64_t B, std::int64_t T, std::int64_t H,
-               std::int64_t D) {
+void rope_rows(const E* x, std::int64_t x_stride, const E* cos, const E* sin, E* out, std::int64_t B, std::int64_t T,
+               std::int64_t H, std::int64_t D) {
   at::parallel_for(0, B * T, grain(H * D), [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t bt = begin; bt < end; ++bt)
       for (std::int64_t h = 0; h < H; ++h)
-        rope_row_any(x + (bt * H + h) * D, cos + bt * D, sin + bt * D, out + (bt * H + h) * D, D);
+        rope_row_any(x + bt * x_stride + h * D, cos + bt * D, sin + bt * D, out + (bt * H + h) * D, D);
   });
+}
+
+// The stride of t's dims [0, dims) taken as one dim (size-1 dims skipped), or
+// -1 when they are not evenly spaced. q, k and v are views into the fused
+// q/k/v projection's output, [B, T, heads, D]: their (b, t) positions are
+// evenly spaced and each position's heads are contiguous, so the row loops
+// read them in place (ATen's copy to contiguous took longer than a decode
+// step's norm of them).
+std::int64_t collapsed_stride(const at::Tensor& t, std::int64_t dims) {
+  std::int64_t stride = -1, next = 0;
+  for (std::int64_t d = dims - 1; d >= 0; --d) {
+    if (t.size(d) == 1) continue;
+    if (stride < 0) stride = t.stride(d), next = stride * t.size(d);
+    else if (t.stride(d) != next) return -1;
+    else next *= t.size(d);
+  }
+  return stride < 0 ? 0 : stride;
 }
 
 template <class E>
@@ -438,33 +460,78 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const std::int64_t n = x.size(-1);
   DMI_CHECK(w.numel() == n && w.scalar_type() == x.scalar_type(), "rms_norm: weight must be [{}] of the input's dtype",
             n);
-  at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  at::Tensor xc = x, wc = w.contiguous();
   at::Tensor out = at::empty(x.sizes(), x.options());
   const std::int64_t rows = n ? x.numel() / n : 0;
+  // Rows [outer, inner]: the whole tensor, or a view whose last two dims are
+  // contiguous rows (collapsed_stride), read in place.
+  std::int64_t inner = std::max<std::int64_t>(rows, 1), outer_stride = 0;
+  if (!x.is_contiguous()) {
+    const std::int64_t outer = x.dim() >= 2 ? collapsed_stride(x, x.dim() - 2) : -1;
+    if (outer >= 0 && x.stride(-1) == 1 && (x.stride(-2) == n || x.size(-2) == 1)) {
+      inner = std::max<std::int64_t>(x.size(-2), 1), outer_stride = outer;
+    } else {
+      xc = x.contiguous();
+    }
+  }
   if (x.scalar_type() == at::kFloat)
-    rms_norm_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), rows, n, static_cast<float>(eps));
+    rms_norm_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), rows, n, inner, outer_stride,
+                  static_cast<float>(eps));
   else
     rms_norm_rows(reinterpret_cast<const std::uint16_t*>(xc.data_ptr()),
                   reinterpret_cast<const std::uint16_t*>(wc.data_ptr()),
-                  reinterpret_cast<std::uint16_t*>(out.data_ptr()), rows, n, static_cast<float>(eps));
+                  reinterpret_cast<std::uint16_t*>(out.data_ptr()), rows, n, inner, outer_stride,
+                  static_cast<float>(eps));
   return out;
 }
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_dtype(x, "rope");
+  DMI_CHECK(x.dim() == 4, "rope: x [B, T, H, D] with cos, sin [B, T, 1, D] of its dtype");
   const std::int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3);
-  DMI_CHECK(x.dim() == 4 && D % 2 == 0 && cos.numel() == B * T * D && sin.numel() == B * T * D &&
+  DMI_CHECK(D % 2 == 0 && cos.numel() == B * T * D && sin.numel() == B * T * D &&
                 cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
             "rope: x [B, T, H, D] with cos, sin [B, T, 1, D] of its dtype");
-  at::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  at::Tensor xc = x, cc = cos.contiguous(), sc = sin.contiguous();
+  // A view with each position's heads contiguous (q, k of the fused
+  // projection) is read in place, positions x_stride apart.
+  std::int64_t x_stride = collapsed_stride(x, 2);
+  if (x.is_contiguous()) {
+    x_stride = H * D;
+  } else if (x_stride < 0 || x.stride(3) != 1 || (x.stride(2) != D && H > 1)) {
+    xc = x.contiguous();
+    x_stride = H * D;
+  }
   at::Tensor out = at::empty(x.sizes(), x.options());
   if (x.scalar_type() == at::kFloat)
-    rope_rows(xc.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(), out.data_ptr<float>(), B, T, H, D);
+    rope_rows(xc.data_ptr<float>(), x_stride, cc.data_ptr<float>(), sc.data_ptr<float>(), out.data_ptr<float>(), B, T,
+              H, D);
   else
-    rope_rows(reinterpret_cast<const std::uint16_t*>(xc.data_ptr()), reinterpret_cast<const std::uint16_t*>(cc.data_ptr()),
-              reinterpret_cast<const std::uint16_t*>(sc.data_ptr()), reinterpret_cast<std::uint16_t*>(out.data_ptr()),
-              B, T, H, D);
+    rope_rows(reinterpret_cast<const std::uint16_t*>(xc.data_ptr()), x_stride,
+              reinterpret_cast<const std::uint16_t*>(cc.data_ptr()), reinterpret_cast<const std::uint16_t*>(sc.data_ptr()),
+              reinterpret_cast<std::uint16_t*>(out.data_ptr()), B, T, H, D);
   return out;
+}
+
+void write_cache(at::Tensor& cache, const at::Tensor& x, std::int64_t start) {
+  DMI_CHECK(x.dim() == 4 && cache.dim() == 4 && cache.is_contiguous() && x.scalar_type() == cache.scalar_type() &&
+                x.size(0) == cache.size(0) && x.size(2) == cache.size(1) && x.size(3) == cache.size(3),
+            "write_cache: x [B, T, heads, D] and cache [B, heads, capacity, D] (contiguous, one dtype) do not fit");
+  const std::int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3), cap = cache.size(2);
+  DMI_CHECK(start >= 0 && start + T <= cap, "write_cache: columns [{}, {}) outside the cache's {}", start, start + T, cap);
+  at::Tensor xc = x.stride(3) == 1 ? x : x.contiguous();
+  const std::size_t es = xc.element_size(), row = static_cast<std::size_t>(D) * es;
+  const char* src = static_cast<const char*>(xc.data_ptr());
+  char* dst = static_cast<char*>(cache.data_ptr());
+  const std::int64_t s0 = xc.stride(0), s1 = xc.stride(1), s2 = xc.stride(2);
+  at::parallel_for(0, B * T, grain(H * D), [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t bt = begin; bt < end; ++bt) {
+      const std::int64_t b = bt / T, t = bt % T;
+      for (std::int64_t h = 0; h < H; ++h)
+        std::memcpy(dst + static_cast<std::size_t>(((b * H + h) * cap + start + t) * D) * es,
+                    src + static_cast<std::size_t>(b * s0 + t * s1 + h * s2) * es, row);
+    }
+  });
 }
 
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {

@@ -13,13 +13,22 @@
 namespace dmi::kernels {
 
 // Hugging Face's RMSNorm over the last dim: float32 statistics, normalized
-// value cast to x's dtype, then multiplied by w (in x's dtype).
+// value cast to x's dtype, then multiplied by w (in x's dtype). Returns a
+// contiguous tensor; a view whose rows are evenly spaced (q, k of the fused
+// projection) is read in place.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 
 // Rotary embedding as HF's apply_rotary_pos_emb: x * cos + rotate_half(x) *
 // sin, each product and the sum rounded to the dtype. x [B, T, H, D];
-// cos, sin [B, T, 1, D] of x's dtype.
+// cos, sin [B, T, 1, D] of x's dtype. Returns a contiguous tensor; a view
+// with each position's heads contiguous is read in place.
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// The KV cache's append: cache[b, h, start + t, :] = x[b, t, h, :] for x
+// [B, T, heads, D] (any strides) and cache [B, heads, capacity, D]
+// (contiguous, x's dtype). Row copies, the bits of ATen's copy_ (whose
+// strided copy took ~15 us a call at decode, more than the copying).
+void write_cache(at::Tensor& cache, const at::Tensor& x, std::int64_t start);
 
 // SwiGLU: silu(gate) rounded to the dtype, times up, rounded (HF's
 // act_fn(gate_proj(x)) * up_proj(x)).

@@ -151,8 +151,8 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
     hook(Site::rot_q, i, q);
     hook(Site::rot_k, i, k);
 
-    cache.k[li].narrow(2, in.start, T).copy_(k.transpose(1, 2));
-    cache.v[li].narrow(2, in.start, T).copy_(v.transpose(1, 2));
+    kernels::write_cache(cache.k[li], k, in.start);
+    kernels::write_cache(cache.v[li], v, in.start);
 
     // Grouped-query attention without repeating K/V: query head h reads KV
     // head h / G (HF's repeat_kv), straight from the cache (kernels/ops.h).

@@ -249,6 +249,48 @@ TEST_CASE("ops: RMSNorm, RoPE and SwiGLU follow HF's eager expressions") {
   CHECK_THROWS_AS(dmi::kernels::rms_norm(at::randn({2, 8}), at::randn({7}), 1e-6), dmi::Error);
 }
 
+TEST_CASE("ops: views of the fused q/k/v output are read in place with the bits of their contiguous copies") {
+  at::manual_seed(11);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    CAPTURE(dtype);
+    for (std::int64_t T : {1, 5}) {
+      const std::int64_t B = 3, H = 4, KV = 2, D = 16;
+      at::Tensor qkv = at::randn({B, T, (H + 2 * KV) * D}).to(dtype);
+      at::Tensor q = qkv.narrow(2, 0, H * D).view({B, T, H, D});
+      at::Tensor k = qkv.narrow(2, H * D, KV * D).view({B, T, KV, D});
+      at::Tensor v = qkv.narrow(2, (H + KV) * D, KV * D).view({B, T, KV, D});
+      REQUIRE(!q.is_contiguous());
+      at::Tensor w = at::randn({D}).to(dtype), cos = at::randn({B, T, 1, D}).to(dtype), sin = at::randn({B, T, 1, D}).to(dtype);
+      for (const at::Tensor& x : {q, k, v}) {
+        CHECK(same_bits(dmi::kernels::rms_norm(x, w, 1e-6), dmi::kernels::rms_norm(x.contiguous(), w, 1e-6)));
+        CHECK(same_bits(dmi::kernels::rope(x, cos, sin), dmi::kernels::rope(x.contiguous(), cos, sin)));
+        CHECK(dmi::kernels::rms_norm(x, w, 1e-6).is_contiguous());
+      }
+      // Views the loops cannot read in place are copied first: same bits.
+      at::Tensor t = q.transpose(1, 2);  // [B, H, T, D]: rows not evenly spaced when T > 1
+      CHECK(same_bits(dmi::kernels::rms_norm(t, w, 1e-6), dmi::kernels::rms_norm(t.contiguous(), w, 1e-6)));
+      at::Tensor c = at::randn({B, T, 1, D}).to(dtype).expand({B, T, H, D});  // heads stride 0
+      CHECK(same_bits(dmi::kernels::rope(c, cos, sin), dmi::kernels::rope(c.contiguous(), cos, sin)));
+
+      // The cache append equals ATen's copy into the same columns; the other
+      // columns keep their values.
+      const std::int64_t cap = T + 4, start = 2;
+      at::Tensor mine = at::randn({B, KV, cap, D}).to(dtype), ref = mine.clone();
+      dmi::kernels::write_cache(mine, v, start);
+      ref.narrow(2, start, T).copy_(v.transpose(1, 2));
+      CHECK(same_bits(mine, ref));
+      dmi::kernels::write_cache(mine, k.contiguous(), start);
+      ref.narrow(2, start, T).copy_(k.transpose(1, 2));
+      CHECK(same_bits(mine, ref));
+      CHECK_THROWS_WITH_AS(dmi::kernels::write_cache(mine, v, cap - T + 1), doctest::Contains("outside the cache"),
+                           dmi::Error);
+      CHECK_THROWS_WITH_AS(dmi::kernels::write_cache(mine, q, 0), doctest::Contains("do not fit"), dmi::Error);
+    }
+  }
+  CHECK_THROWS_WITH_AS(dmi::kernels::rope(at::zeros({2, 3, 4}), at::zeros({2, 3, 1, 4}), at::zeros({2, 3, 1, 4})),
+                       doctest::Contains("rope: x [B, T, H, D]"), dmi::Error);
+}
+
 TEST_CASE("ops: decode attention equals the matmul path and does not depend on the batch") {
   at::manual_seed(7);
   const std::int64_t B = 3, H = 8, KV = 2, G = H / KV, D = 32, cap = 40, L = 29;

@@ -23,8 +23,8 @@ Reported per batch size: decode tokens/s of each engine and dmi/eager
 (target: >= 3x at batch 8), TPOT / the weight-read floor that dmi-bench
 measures (target: <= 1.3x at batch 1), prefill tokens/s and dmi/eager.
 Then the machine's line: the batch's step floor that dmi-bench measures
-(weights read once, or the batch's projections at the kernels' measured
-peak multiply-add rate, whichever is longer), dmi's TPOT against it, and
+(weights and KV cache read once, or the batch's projections and attention
+at the kernels' measured peak multiply-add rate, whichever is longer), dmi's TPOT against it, and
 what 3x eager's decode and 2x eager's prefill would need of it: a target
 that needs less than 1x the floor is beyond this machine.
 """
@@ -138,7 +138,8 @@ def main():
     peaks = [rd["meta"]["dmi"]["peak_gmacs"] for rd in rounds]
     if all(peaks):
         print(f"compute peak {statistics.median(peaks):.1f} G multiply-adds/s ({m['peak_instruction']}): "
-              "a batch's step floor is the longer of reading the weights and its projections at that peak")
+              "a batch's step floor is the longer of reading the weights and its KV cache and computing its "
+              "projections and attention at that peak")
     print()
     names = [n for n, _ in engines]
     for b in sorted(rounds[0]["results"]["dmi"]):

@@ -74,8 +74,9 @@ int main(int argc, char** argv) {
       "is time / time of 'off' in the same repeat, end to end and for the median decode step; the table\n"
       "shows medians and, from 6 repeats on, distribution-free 95% confidence intervals of them.\n"
       "TPOT/floor: the decode step against the machine's floor for its batch, measured here: the\n"
-      "weights read once at the probed read bandwidth, or the batch's projections at the kernels'\n"
-      "peak multiply-add rate, whichever is longer (--json also has the prefill ceiling).\n"
+      "weights and the batch's KV cache read once at the probed read bandwidth, or its projections\n"
+      "and attention at the kernels' peak multiply-add rate, whichever is longer, at the mean\n"
+      "context of the decode steps (--json also has the prefill ceiling).\n"
       "\nExamples:\n"
       "  dmi-bench                                             # the default model, bf16, batch 1 and 8\n"
       "  dmi-bench --model build/bench-models/qwen3-0.6b-shape --batch-sizes 1,8 --hooks residual --json r.json\n"
@@ -155,7 +156,10 @@ int main(int argc, char** argv) {
     const auto peak2 = dmi::kernels::measure_peak_macs_per_second(model->kernel_isa(), model->dtype());
     peak.macs_per_second = std::max(peak.macs_per_second, peak2.macs_per_second);
     const dmi::engine::MachineFloor machine{static_cast<double>(model->weight_bytes()), bw, peak.macs_per_second,
-                                            model->projection_work()};
+                                            model->forward_work()};
+    // A decode step attends prompt_len + s positions at step s = 1 .. new_tokens - 1:
+    // the median step's context, and TPOT's mean, is prompt_len + new_tokens / 2.
+    const double decode_context = static_cast<double>(cfg.prompt_len) + static_cast<double>(cfg.new_tokens) / 2;
     // Summary per configuration: medians, overhead spread.
     struct Key {
       std::int64_t batch;
@@ -227,7 +231,7 @@ int main(int argc, char** argv) {
                 {"intervene_share", med([](const auto& r) { return r.seconds > 0 ? r.intervene_seconds / r.seconds : 0.0; })},
                 {"capture_finish_seconds", med([](const auto& r) { return r.capture_finish_seconds; })}};
       // Against what the machine allows this batch (MachineFloor).
-      const double step_floor = machine.decode_step_ms(k.batch);
+      const double step_floor = machine.decode_step_ms(k.batch, decode_context);
       const double prefill_ceiling = machine.prefill_tokens_per_second(k.batch, cfg.prompt_len);
       s["step_floor_ms"] = step_floor;
       s["tpot_over_floor"] = s["time_per_output_token_ms"].get<double>() / step_floor;
@@ -260,6 +264,9 @@ int main(int argc, char** argv) {
                 {"peak_macs_per_second", peak.macs_per_second}, {"peak_instruction", peak.instruction},
                 {"projection_macs_per_token", machine.work.per_token},
                 {"lm_head_macs_per_row", machine.work.per_logits_row},
+                {"attention_macs_per_position", machine.work.attention_per_position},
+                {"kv_bytes_per_position", machine.work.kv_bytes_per_position},
+                {"decode_context", decode_context},
                 {"compute_floor_ms_per_token", machine.compute_ms_per_token()},
                 {"environment", env}, {"summary", summary},
                 {"runs", json::array()}};

@@ -81,18 +81,23 @@ double MachineFloor::compute_ms_per_token() const {
   return static_cast<double>(work.per_token + work.per_logits_row) / peak_macs_per_second * 1e3;
 }
 
-double MachineFloor::decode_step_ms(std::int64_t batch) const {
-  const double read_ms = read_bandwidth_gbs > 0 ? weight_bytes / (read_bandwidth_gbs * 1e9) * 1e3 : 0;
-  return std::max(read_ms, static_cast<double>(batch) * compute_ms_per_token());
+double MachineFloor::decode_step_ms(std::int64_t batch, double context) const {
+  const double B = static_cast<double>(batch);
+  const double bytes = weight_bytes + B * context * static_cast<double>(work.kv_bytes_per_position);
+  const double read_ms = read_bandwidth_gbs > 0 ? bytes / (read_bandwidth_gbs * 1e9) * 1e3 : 0;
+  const double attention_ms =
+      peak_macs_per_second > 0
+          ? B * context * static_cast<double>(work.attention_per_position) / peak_macs_per_second * 1e3
+          : 0;
+  return std::max(read_ms, B * compute_ms_per_token() + attention_ms);
 }
 
 double MachineFloor::prefill_tokens_per_second(std::int64_t batch, std::int64_t prompt) const {
   const double read_s = read_bandwidth_gbs > 0 ? weight_bytes / (read_bandwidth_gbs * 1e9) : 0;
-  const double compute_s =
-      peak_macs_per_second > 0
-          ? static_cast<double>(batch) * static_cast<double>(prompt * work.per_token + work.per_logits_row) /
-                peak_macs_per_second
-          : 0;
+  const double P = static_cast<double>(prompt);
+  const double macs = P * static_cast<double>(work.per_token) + static_cast<double>(work.per_logits_row) +
+                      P * (P + 1) / 2 * static_cast<double>(work.attention_per_position);  // causal: t + 1 keys
+  const double compute_s = peak_macs_per_second > 0 ? static_cast<double>(batch) * macs / peak_macs_per_second : 0;
   const double s = std::max(read_s, compute_s);
   return s > 0 ? static_cast<double>(batch * prompt) / s : 0;
 }

@@ -66,21 +66,23 @@ std::vector<BenchRun> run_bench(model::CausalLM& model, const BenchConfig& cfg,
 // cache), in GB/s.
 double measure_read_bandwidth_gbs(std::size_t bytes = std::size_t{1} << 30);
 
-// What the machine allows a model, from measured rates: its weights read at
-// the read bandwidth, its projections at the kernels' peak multiply-add rate
-// (kernels::measure_peak_macs_per_second). Attention, row operations and
-// dispatch are left out, so real steps can only come close.
+// What the machine allows a model, from measured rates: its weights and KV
+// cache read at the read bandwidth, its projections and attention at the
+// kernels' peak multiply-add rate (kernels::measure_peak_macs_per_second;
+// attention runs unfused fp32 arithmetic, slower than that peak). Row
+// operations and dispatch are left out, so real steps can only come close.
 struct MachineFloor {
   double weight_bytes = 0, read_bandwidth_gbs = 0;
   double peak_macs_per_second = 0;  // 0: unknown, no compute floor
-  model::ProjectionWork work;
+  model::ForwardWork work;
   // Projections of one token (with its row of logits) at the peak rate, ms.
   double compute_ms_per_token() const;
-  // The shortest decode step of a batch: every weight read once, or the
-  // batch's projections at the peak rate, whichever takes longer.
-  double decode_step_ms(std::int64_t batch) const;
+  // The shortest decode step of a batch whose sequences attend `context`
+  // cache positions: the weights and the batch's K/V read once, or its
+  // projections and attention at the peak rate, whichever takes longer.
+  double decode_step_ms(std::int64_t batch, double context) const;
   // The most prefill tokens per second for `batch` prompts of `prompt`
-  // tokens, logits for each prompt's last position only.
+  // tokens (causal attention), logits for each prompt's last position only.
   double prefill_tokens_per_second(std::int64_t batch, std::int64_t prompt) const;
 };
 

@@ -29,11 +29,16 @@ struct KVCache {
   std::int64_t capacity = 0;
 };
 
-// Multiply-adds of the products with weight matrices (the projections): per
-// token through the layers, and per row of logits the LM head computes.
-// Attention and the row operations are not counted.
-struct ProjectionWork {
+// What a forward pass must compute and read besides its weights, for
+// benchmarks' floors. Multiply-adds of the products with weight matrices
+// (the projections): per token through the layers, and per row of logits
+// the LM head computes. Attention: multiply-adds per query token and cached
+// position it attends (scores and values, all layers), and the K and V
+// bytes per sequence and cache position (all layers), read at each decode
+// step. The row operations are not counted.
+struct ForwardWork {
   std::int64_t per_token = 0, per_logits_row = 0;
+  std::int64_t attention_per_position = 0, kv_bytes_per_position = 0;
 };
 
 struct ForwardInput {
@@ -68,8 +73,8 @@ class CausalLM {
   virtual std::string kernels() const { return "aten"; }
   // The kernels' choice (kernels/linear.h); aten where ATen computes it.
   virtual kernels::Isa kernel_isa() const { return kernels::Isa::aten; }
-  // What the projections cost (benchmarks' compute floor); zero when unknown.
-  virtual ProjectionWork projection_work() const { return {}; }
+  // What a forward pass costs (benchmarks' floors); zero when unknown.
+  virtual ForwardWork forward_work() const { return {}; }
   // The sites this model's forward produces (for --hooks).
   virtual hooks::SiteSpace site_space() const {
     return {static_cast<int>(config().num_layers), config().qk_norm, {}};

@@ -65,11 +65,14 @@ LlamaFamily::LlamaFamily(io::ModelConfig cfg, const io::WeightStore& w, at::Scal
   inv_freq_ = rope_inv_freq(cfg_.rope, D);
 }
 
-ProjectionWork LlamaFamily::projection_work() const {
+ForwardWork LlamaFamily::forward_work() const {
   auto macs = [](const kernels::PackedLinear& l) { return l.in_features() * l.out_features(); };
-  ProjectionWork w;
+  ForwardWork w;
   for (const Layer& l : layers_) w.per_token += macs(l.qkv) + macs(l.o) + macs(l.gate_up) + macs(l.down);
   w.per_logits_row = macs(lm_head_);
+  const std::int64_t layers = cfg_.num_layers, D = cfg_.head_dim;
+  w.attention_per_position = layers * cfg_.num_heads * D * 2;  // q·k and p·v
+  w.kv_bytes_per_position = layers * cfg_.num_kv_heads * D * 2 * static_cast<std::int64_t>(c10::elementSize(dtype_));
   return w;
 }
 

@@ -19,7 +19,7 @@ class LlamaFamily final : public CausalLM {
   std::size_t weight_bytes() const override { return weight_bytes_; }
   std::string kernels() const override { return kernels::describe(lm_head_.isa(), dtype_); }
   kernels::Isa kernel_isa() const override { return lm_head_.isa(); }
-  ProjectionWork projection_work() const override;
+  ForwardWork forward_work() const override;
 
  private:
   struct Layer {

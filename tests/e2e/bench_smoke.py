@@ -25,7 +25,7 @@ if r.returncode != 0:
 j = json.load(open(out))
 for k in ("model", "dtype", "weight_bytes", "read_bandwidth_gbs", "decode_floor_ms", "summary", "runs",
           "peak_macs_per_second", "peak_instruction", "projection_macs_per_token", "lm_head_macs_per_row",
-          "compute_floor_ms_per_token"):
+          "compute_floor_ms_per_token", "attention_macs_per_position", "kv_bytes_per_position", "decode_context"):
     if k not in j:
         sys.exit(f"FAIL: JSON lacks {k}")
 # The machine floor: the model's projections counted from its config.json,
@@ -37,6 +37,10 @@ D, layers = cfg["head_dim"], cfg["num_hidden_layers"]
 if j["projection_macs_per_token"] != layers * (d * (H + 2 * KV) * D + H * D * d + 3 * d * F) or \
         j["lm_head_macs_per_row"] != d * V:
     sys.exit(f"FAIL: projection work {j['projection_macs_per_token']}, {j['lm_head_macs_per_row']}")
+if j["attention_macs_per_position"] != layers * H * D * 2 or j["kv_bytes_per_position"] != layers * KV * D * 2 * 4:
+    sys.exit(f"FAIL: attention work {j['attention_macs_per_position']}, {j['kv_bytes_per_position']}")
+if j["decode_context"] != 8 + 4 / 2:  # --prompt-len 8 --new-tokens 4: the mean decode step's context
+    sys.exit(f"FAIL: decode context {j['decode_context']}")
 isa = j["kernels"].split()[0]
 want = {"avx512_bf16": "FMA zmm", "avx512": "FMA zmm", "avx2": "FMA ymm"}.get(isa, "")  # float32 weights
 if j["peak_instruction"] != want or (j["peak_macs_per_second"] > 0) != bool(want):
@@ -45,7 +49,10 @@ if want and abs(j["compute_floor_ms_per_token"] - 1e3 * (j["projection_macs_per_
                 / j["peak_macs_per_second"]) > 1e-9 * j["compute_floor_ms_per_token"]:
     sys.exit(f"FAIL: compute floor {j['compute_floor_ms_per_token']}")
 for s in j["summary"]:
-    floor = max(j["decode_floor_ms"], s["batch"] * j["compute_floor_ms_per_token"])
+    kv = s["batch"] * j["decode_context"] * j["kv_bytes_per_position"]
+    attention = s["batch"] * j["decode_context"] * j["attention_macs_per_position"]
+    floor = max(j["decode_floor_ms"] + 1e3 * kv / (j["read_bandwidth_gbs"] * 1e9),
+                s["batch"] * j["compute_floor_ms_per_token"] + (1e3 * attention / j["peak_macs_per_second"] if want else 0))
     if abs(s["step_floor_ms"] - floor) > 1e-9 * floor or \
             abs(s["tpot_over_floor"] - s["time_per_output_token_ms"] / floor) > 1e-9 * s["tpot_over_floor"]:
         sys.exit(f"FAIL: batch {s['batch']}: step floor {s['step_floor_ms']}, want {floor}")

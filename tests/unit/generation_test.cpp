@@ -144,33 +144,46 @@ TEST_CASE("bench: distribution-free confidence interval of a median") {
   CHECK(twelve->second == 10);
 }
 
-TEST_CASE("bench: the machine floor counts each model's projections and takes the longer of reading and computing") {
+TEST_CASE("bench: the machine floor counts each model's work and takes the longer of reading and computing") {
   for (const auto& name : dmi::test::test_model_names()) {
     CAPTURE(name);
     const std::string dir = dmi::test::test_models_dir() + "/" + name;
-    auto m = dmi::model::load_model(dir, at::kFloat);
     // From config.json, not from the model's own shapes.
     std::ifstream f(dir + "/config.json");
     const auto c = nlohmann::json::parse(f);
     const std::int64_t d = c["hidden_size"], F = c["intermediate_size"], V = c["vocab_size"],
                        layers = c["num_hidden_layers"], H = c["num_attention_heads"],
                        KV = c.value("num_key_value_heads", H), D = c.value("head_dim", d / H);
-    const auto w = m->projection_work();
-    CHECK(w.per_token == layers * (d * (H + 2 * KV) * D + H * D * d + 2 * d * F + F * d));
-    CHECK(w.per_logits_row == d * V);
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      auto m = dmi::model::load_model(dir, dtype);
+      const auto w = m->forward_work();
+      CHECK(w.per_token == layers * (d * (H + 2 * KV) * D + H * D * d + 2 * d * F + F * d));
+      CHECK(w.per_logits_row == d * V);
+      CHECK(w.attention_per_position == layers * H * D * 2);
+      CHECK(w.kv_bytes_per_position == layers * KV * D * 2 * (dtype == at::kFloat ? 4 : 2));
+    }
   }
   dmi::engine::MachineFloor floor;
   floor.weight_bytes = 2e9;              // read in 100 ms at 20 GB/s
   floor.read_bandwidth_gbs = 20;
   floor.peak_macs_per_second = 1e11;     // 1e9 + 1e8 multiply-adds per token: 11 ms
-  floor.work = {1'000'000'000, 100'000'000};
+  floor.work = {1'000'000'000, 100'000'000, 0, 0};
   CHECK(floor.compute_ms_per_token() == doctest::Approx(11.0));
-  CHECK(floor.decode_step_ms(1) == doctest::Approx(100.0));   // reading
-  CHECK(floor.decode_step_ms(9) == doctest::Approx(100.0));
-  CHECK(floor.decode_step_ms(10) == doctest::Approx(110.0));  // computing
+  CHECK(floor.decode_step_ms(1, 100) == doctest::Approx(100.0));   // reading
+  CHECK(floor.decode_step_ms(9, 100) == doctest::Approx(100.0));
+  CHECK(floor.decode_step_ms(10, 100) == doctest::Approx(110.0));  // computing
   // 4 prompts of 50 tokens: 4 * (50e9 + 1e8) multiply-adds = 2.004 s > 0.1 s.
   CHECK(floor.prefill_tokens_per_second(4, 50) == doctest::Approx(200 / 2.004));
+  // The KV cache: 1e6 bytes per position, read at every step; attention
+  // 1e7 multiply-adds per position (0.1 ms each).
+  floor.work.kv_bytes_per_position = 1'000'000;
+  floor.work.attention_per_position = 10'000'000;
+  CHECK(floor.decode_step_ms(2, 500) == doctest::Approx(150.0));  // (2e9 + 2 * 500 * 1e6) bytes at 20 GB/s
+  CHECK(floor.decode_step_ms(8, 500) == doctest::Approx(488.0));  // 8 * 11 ms + 8 * 500 * 0.1 ms
+  // 1 prompt of 3 tokens: 3e9 + 1e8 + (1 + 2 + 3) * 1e7 multiply-adds = 31.6 ms.
+  CHECK(floor.prefill_tokens_per_second(1, 3) == doctest::Approx(3 / 0.1));  // reading the weights: 100 ms
+  CHECK(floor.prefill_tokens_per_second(4, 50) == doctest::Approx(200 / (4 * (50e9 + 1e8 + 1275 * 1e7) / 1e11)));
   floor.peak_macs_per_second = 0;  // unknown: only the read floor
-  CHECK(floor.decode_step_ms(64) == doctest::Approx(100.0));
+  CHECK(floor.decode_step_ms(64, 0) == doctest::Approx(100.0));
   CHECK(floor.prefill_tokens_per_second(4, 50) == doctest::Approx(2000.0));
 }

@@ -143,9 +143,59 @@ inline __mmask16 masked16(const bool* m) {
   return static_cast<__mmask16>(_mm_movemask_epi8(_mm_cmpgt_epi8(bytes, _mm_setzero_si128())));
 }
 
+// Decode-sized blocks (1, 2 or 4 rows: the query heads of one KV head at one
+// position) as register tiles of ROWS rows x KEYS keys, 16 accumulators in
+// all: each key chunk is widened in a register once and used by every row,
+// with no pass through the scratch buffer (that pass cost as much as the
+// products at 2 rows). The same products, sums and tree as the 16-key
+// blocks below, so the same bits; reduce16x16 does not care which 16
+// vectors it reduces.
+template <int ROWS, class E>
+void scores_few(const E* const* q, const bool* const* m, E* const* o, const E* kb, int64_t L, int64_t D, float scale,
+                float* scratch) {
+  constexpr int KEYS = 16 / ROWS;
+  const int64_t chunks = D / 16;
+  float* qw = scratch;  // [ROWS][D]
+  for (int r = 0; r < ROWS; ++r)
+    for (int64_t i = 0; i < chunks; ++i) _mm512_storeu_ps(qw + r * D + 16 * i, load_f32(q[r] + 16 * i));
+  // reduce16x16 leaves vector 4i + k in lane 4k + i: this puts vector s in lane s.
+  const __m512i unslot = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  int64_t c0 = 0;
+  for (; c0 + KEYS <= L; c0 += KEYS) {
+    __mmask16 masked = 0;  // lane r * KEYS + j: key c0 + j of row r
+    for (int r = 0; r < ROWS; ++r)
+      for (int j = 0; j < KEYS; ++j)
+        if (m[r][c0 + j]) masked = static_cast<__mmask16>(masked | (1u << (r * KEYS + j)));
+    __m512 acc[16];
+    for (int s = 0; s < 16; ++s) acc[s] = _mm512_setzero_ps();
+    if (masked != 0xffff) {
+      for (int64_t i = 0; i < chunks; ++i) {
+        __m512 qv[ROWS];
+        for (int r = 0; r < ROWS; ++r) qv[r] = _mm512_loadu_ps(qw + r * D + 16 * i);
+        for (int j = 0; j < KEYS; ++j) {
+          const __m512 kv = load_f32(kb + (c0 + j) * D + 16 * i);
+          for (int r = 0; r < ROWS; ++r)
+            acc[r * KEYS + j] = _mm512_add_ps(acc[r * KEYS + j], _mm512_mul_ps(qv[r], kv));
+        }
+      }
+    }
+    alignas(64) E lanes[16];
+    store_scores(lanes, _mm512_permutexvar_ps(unslot, reduce16x16(acc)), scale, masked);
+    for (int r = 0; r < ROWS; ++r) memcpy(o[r] + c0, lanes + r * KEYS, KEYS * sizeof(E));
+  }
+  if (c0 < L)  // the last keys one at a time: the same bits
+    for (int r = 0; r < ROWS; ++r) scores_row_avx512(q[r], kb + c0 * D, m[r] + c0, o[r] + c0, L - c0, D, scale);
+}
+
 template <class E>
 void scores_block_t(const E* const* q, const bool* const* m, E* const* o, int rows, const E* kb, int64_t L, int64_t D,
                     float scale, float* scratch) {
+  switch (rows) {
+    case 1: return scores_few<1>(q, m, o, kb, L, D, scale, scratch);
+    case 2: return scores_few<2>(q, m, o, kb, L, D, scale, scratch);
+    case 4: return scores_few<4>(q, m, o, kb, L, D, scale, scratch);
+    default: break;
+  }
   const int64_t chunks = D / 16;
   float* qw = scratch;                // [rows][D]
   float* kw = scratch + kBlockRows * D;  // [16][D]
@@ -194,8 +244,59 @@ inline void accumulate(float* acc, const E* p, const float* v, int64_t n, int64_
   for (int k = 0; k < P; ++k) _mm512_storeu_ps(acc + 16 * k, a[k]);
 }
 
+// Decode-sized blocks of values: for every key in order, each chunk of its
+// value row is widened once in a register and added into the ROWS rows'
+// accumulators (PIECES chunks per pass over the keys), a row whose weight is
+// 0 left unchanged (values_row skips it): the same bits.
+template <int ROWS, int PIECES, class E>
+void values_few_pass(const E* const* p, float* acc, const E* vb, int64_t L, int64_t D, int64_t d0) {
+  __m512 a[ROWS][PIECES];
+  for (int r = 0; r < ROWS; ++r)
+    for (int k = 0; k < PIECES; ++k) a[r][k] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    __m512 pb[ROWS];
+    __mmask16 live[ROWS];
+    bool any = false;
+    for (int r = 0; r < ROWS; ++r) {
+      const float pc = value(p[r], j);
+      pb[r] = _mm512_set1_ps(pc);
+      live[r] = pc != 0.0f ? 0xffff : 0;
+      any = any || pc != 0.0f;
+    }
+    if (!any) continue;  // masked (or underflowed) for every row: adds nothing
+    const E* v = vb + j * D + d0;
+    for (int k = 0; k < PIECES; ++k) {
+      const __m512 vk = load_f32(v + 16 * k);
+      for (int r = 0; r < ROWS; ++r) a[r][k] = _mm512_mask_add_ps(a[r][k], live[r], a[r][k], _mm512_mul_ps(pb[r], vk));
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int k = 0; k < PIECES; ++k) _mm512_storeu_ps(acc + r * D + d0 + 16 * k, a[r][k]);
+}
+
+template <int ROWS, class E>
+void values_few(const E* const* p, E* const* o, const E* vb, int64_t L, int64_t D, float* scratch) {
+  constexpr int64_t kMaxPieces = 16 / ROWS > 8 ? 8 : 16 / ROWS;  // at most 16 accumulators
+  float* acc = scratch;  // [ROWS][D]
+  for (int64_t d0 = 0; d0 < D;) {
+    const int64_t left = (D - d0) / 16;
+    const int64_t pieces = left < kMaxPieces ? left : kMaxPieces;
+    if (pieces >= 8) values_few_pass<ROWS, 8>(p, acc, vb, L, D, d0), d0 += 16 * 8;
+    else if (pieces >= 4) values_few_pass<ROWS, 4>(p, acc, vb, L, D, d0), d0 += 16 * 4;
+    else if (pieces >= 2) values_few_pass<ROWS, 2>(p, acc, vb, L, D, d0), d0 += 16 * 2;
+    else values_few_pass<ROWS, 1>(p, acc, vb, L, D, d0), d0 += 16;
+  }
+  for (int r = 0; r < ROWS; ++r) store_row(o[r], acc + r * D, D);
+}
+
 template <class E>
 void values_block_t(const E* const* p, E* const* o, int rows, const E* vb, int64_t L, int64_t D, float* scratch) {
+  switch (rows) {
+    case 1: return values_few<1>(p, o, vb, L, D, scratch);
+    case 2: return values_few<2>(p, o, vb, L, D, scratch);
+    case 4: return values_few<4>(p, o, vb, L, D, scratch);
+    default: break;
+  }
   float* acc = scratch;                  // [rows][D]
   float* vw = scratch + kBlockRows * D;  // [16][D]
   for (int64_t i = 0; i < rows * D; ++i) acc[i] = 0.0f;

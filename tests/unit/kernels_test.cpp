@@ -386,10 +386,13 @@ TEST_CASE("ops: prefill attention (blocks of rows, fused or not) has the portabl
   at::manual_seed(11);
   // head_dim 48 (three 16-lane chunks) and 128; G = 1, 2, 4, 8; lengths that
   // leave partial key blocks and partial position blocks; causal and padding
-  // masks; the cache written from column `start` on.
+  // masks; the cache written from column `start` on. Blocks of 1, 2 and 4
+  // rows (G = 2 at T = 1 or 2, G = 4 and G = 1 when decoding) take the
+  // register tiles of attention_avx512.cpp, larger ones the 16-key blocks.
   struct Case { std::int64_t B, T, H, KV, D, start; };
   for (const Case cs : {Case{2, 37, 8, 2, 48, 5}, Case{1, 16, 4, 4, 128, 0}, Case{3, 9, 16, 2, 64, 20},
-                        Case{2, 1, 8, 1, 128, 40}}) {
+                        Case{2, 1, 8, 1, 128, 40}, Case{2, 5, 4, 2, 128, 33}, Case{3, 2, 2, 1, 48, 50},
+                        Case{2, 1, 16, 8, 128, 90}}) {
     for (auto dtype : {at::kFloat, at::kBFloat16}) {
       CAPTURE(cs.T);
       CAPTURE(cs.D);

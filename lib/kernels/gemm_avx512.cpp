@@ -82,22 +82,13 @@ void gemm_f32w_avx512(const GemmArgs& a) {
 }
 
 // kernels/linear.h, measure_peak_macs_per_second: the 512-bit fp32 FMA
-// alone, 16 multiply-adds each, in 12 independent chains held in named
-// variables (as peak_macs_avx512bf16).
+// alone, 16 multiply-adds each.
 int64_t peak_macs_avx512(int64_t iterations) {
   const __m512 x = _mm512_set1_ps(1.0f), y = _mm512_set1_ps(0.0078125f);
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0,
-         a10 = a0, a11 = a0;
-#define DMI_PEAK_STEP(a) \
-  do {                    \
-    a = _mm512_fmadd_ps(x, y, a);  \
-    __asm__ volatile("" : "+v"(a));  \
-  } while (0)
-  for (int64_t n = 0; n < iterations; ++n) {
-    DMI_PEAK_STEP(a0); DMI_PEAK_STEP(a1); DMI_PEAK_STEP(a2); DMI_PEAK_STEP(a3); DMI_PEAK_STEP(a4); DMI_PEAK_STEP(a5);
-    DMI_PEAK_STEP(a6); DMI_PEAK_STEP(a7); DMI_PEAK_STEP(a8); DMI_PEAK_STEP(a9); DMI_PEAK_STEP(a10); DMI_PEAK_STEP(a11);
-  }
-#undef DMI_PEAK_STEP
+  peak_chains(iterations, _mm512_setzero_ps(), [&](__m512& a) {
+    a = _mm512_fmadd_ps(x, y, a);
+    __asm__ volatile("" : "+v"(a));
+  });
   return 12 * 16 * iterations;
 }
 

@@ -44,25 +44,13 @@ void gemm_bf16w_avx512bf16(const GemmArgs& a) {
 }
 
 // kernels/linear.h, measure_peak_macs_per_second: vdpbf16ps alone, 32
-// multiply-adds each, in 12 independent chains (more than latency x issue
-// rate: Zen 4 takes ~6 cycles and issues one per cycle). Named variables, not
-// an array: GCC kept an array of accumulators in memory, and the stores and
-// reloads halved the rate.
+// multiply-adds each.
 int64_t peak_macs_avx512bf16(int64_t iterations) {
   const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), y = (__m512bh)_mm512_set1_epi32(0x3c003c00);
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0,
-         a10 = a0, a11 = a0;
-  // Each result "used" by an empty asm: no instruction is dropped or merged.
-#define DMI_PEAK_STEP(a) \
-  do {                    \
-    a = _mm512_dpbf16_ps(a, x, y);  \
-    __asm__ volatile("" : "+v"(a));  \
-  } while (0)
-  for (int64_t n = 0; n < iterations; ++n) {
-    DMI_PEAK_STEP(a0); DMI_PEAK_STEP(a1); DMI_PEAK_STEP(a2); DMI_PEAK_STEP(a3); DMI_PEAK_STEP(a4); DMI_PEAK_STEP(a5);
-    DMI_PEAK_STEP(a6); DMI_PEAK_STEP(a7); DMI_PEAK_STEP(a8); DMI_PEAK_STEP(a9); DMI_PEAK_STEP(a10); DMI_PEAK_STEP(a11);
-  }
-#undef DMI_PEAK_STEP
+  peak_chains(iterations, _mm512_setzero_ps(), [&](__m512& a) {
+    a = _mm512_dpbf16_ps(a, x, y);
+    __asm__ volatile("" : "+v"(a));
+  });
   return 12 * 32 * iterations;
 }
 

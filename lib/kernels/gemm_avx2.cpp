@@ -93,11 +93,7 @@ void gemm_f32w_avx2(const GemmArgs& a) {
 // registers).
 int64_t peak_macs_avx2(int64_t iterations) {
   const __m256 x = _mm256_set1_ps(1.0f), y = _mm256_set1_ps(0.0078125f);
-  peak_chains(iterations, _mm256_setzero_ps(), [&](__m256& a) {
-    a = _mm256_fmadd_ps(x, y, a);
-    __asm__ volatile("" : "+x"(a));
-  });
-  return 12 * 8 * iterations;
+  return peak_chains<__m256>(iterations, 8, [&](__m256 a) { return _mm256_fmadd_ps(x, y, a); });
 }
 
 }  // namespace dmi::kernels::detail

@@ -85,11 +85,7 @@ void gemm_f32w_avx512(const GemmArgs& a) {
 // alone, 16 multiply-adds each.
 int64_t peak_macs_avx512(int64_t iterations) {
   const __m512 x = _mm512_set1_ps(1.0f), y = _mm512_set1_ps(0.0078125f);
-  peak_chains(iterations, _mm512_setzero_ps(), [&](__m512& a) {
-    a = _mm512_fmadd_ps(x, y, a);
-    __asm__ volatile("" : "+v"(a));
-  });
-  return 12 * 16 * iterations;
+  return peak_chains<__m512>(iterations, 16, [&](__m512 a) { return _mm512_fmadd_ps(x, y, a); });
 }
 
 }  // namespace dmi::kernels::detail

@@ -47,11 +47,7 @@ void gemm_bf16w_avx512bf16(const GemmArgs& a) {
 // multiply-adds each.
 int64_t peak_macs_avx512bf16(int64_t iterations) {
   const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), y = (__m512bh)_mm512_set1_epi32(0x3c003c00);
-  peak_chains(iterations, _mm512_setzero_ps(), [&](__m512& a) {
-    a = _mm512_dpbf16_ps(a, x, y);
-    __asm__ volatile("" : "+v"(a));
-  });
-  return 12 * 32 * iterations;
+  return peak_chains<__m512>(iterations, 32, [&](__m512 a) { return _mm512_dpbf16_ps(a, x, y); });
 }
 
 }  // namespace dmi::kernels::detail

@@ -88,20 +88,24 @@ int64_t peak_macs_avx512bf16(int64_t iterations);
 int64_t peak_macs_avx512(int64_t iterations);
 int64_t peak_macs_avx2(int64_t iterations);
 
-// Their loop: step(a) on 12 independent accumulators, `iterations` times.
+// Their loop: a = op(a) on 12 independent accumulators, `iterations` times.
 // The chains outnumber latency x issue rate on the cores measured (Zen 4
 // vdpbf16ps: ~6 cycles, one per cycle). Named variables, not an array: GCC
 // kept an array of accumulators in memory, and the stores and reloads halved
-// the rate. step must "use" its result (an empty asm) so that nothing is
-// dropped or merged.
-template <class V, class Step>
-static inline void peak_chains(int64_t iterations, V zero, Step step) {
-  V a0 = zero, a1 = zero, a2 = zero, a3 = zero, a4 = zero, a5 = zero, a6 = zero, a7 = zero, a8 = zero, a9 = zero,
-    a10 = zero, a11 = zero;
+// the rate. An empty asm "uses" each result, so that nothing is dropped or
+// merged. Returns the multiply-adds done, macs_per_op per op.
+template <class V, class Op>
+static inline int64_t peak_chains(int64_t iterations, int64_t macs_per_op, Op op) {
+  V a0{}, a1{}, a2{}, a3{}, a4{}, a5{}, a6{}, a7{}, a8{}, a9{}, a10{}, a11{};
+  auto step = [&op](V& a) {
+    a = op(a);
+    __asm__ volatile("" : "+v"(a));
+  };
   for (int64_t n = 0; n < iterations; ++n) {
     step(a0), step(a1), step(a2), step(a3), step(a4), step(a5);
     step(a6), step(a7), step(a8), step(a9), step(a10), step(a11);
   }
+  return 12 * macs_per_op * iterations;
 }
 
 // One attention score row (kernels/ops.cpp): false when D is not a multiple

@@ -495,12 +495,11 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   at::Tensor xc = x, cc = cos.contiguous(), sc = sin.contiguous();
   // A view with each position's heads contiguous (q, k of the fused
   // projection) is read in place, positions x_stride apart.
-  std::int64_t x_stride = collapsed_stride(x, 2);
-  if (x.is_contiguous()) {
-    x_stride = H * D;
-  } else if (x_stride < 0 || x.stride(3) != 1 || (x.stride(2) != D && H > 1)) {
-    xc = x.contiguous();
-    x_stride = H * D;
+  std::int64_t x_stride = H * D;
+  if (!x.is_contiguous()) {
+    const std::int64_t positions = collapsed_stride(x, 2);
+    if (positions >= 0 && x.stride(3) == 1 && (x.stride(2) == D || H == 1)) x_stride = positions;
+    else xc = x.contiguous();
   }
   at::Tensor out = at::empty(x.sizes(), x.options());
   if (x.scalar_type() == at::kFloat)

@@ -187,6 +187,61 @@ void scores_few(const E* const* q, const bool* const* m, E* const* o, const E* k
     for (int r = 0; r < ROWS; ++r) scores_row_avx512(q[r], kb + c0 * D, m[r] + c0, o[r] + c0, L - c0, D, scale);
 }
 
+// -inf in the dtype, n times.
+inline void fill_neg_inf(float* o, int n) {
+  for (int j = 0; j < n; ++j) o[j] = -__builtin_inff();
+}
+inline void fill_neg_inf(uint16_t* o, int n) {
+  for (int j = 0; j < n; ++j) o[j] = 0xff80;
+}
+
+// The keys (or values) [c0, c0 + n) as fp32 rows D apart: bf16 widened into
+// w, fp32 read where they lie.
+inline const float* rows_f32(const float* kb, int64_t c0, int64_t, int64_t D, float*) { return kb + c0 * D; }
+inline const float* rows_f32(const uint16_t* kb, int64_t c0, int64_t n, int64_t D, float* w) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(w + j * D + d, widen(kb + (c0 + j) * D + d));
+  return w;
+}
+
+// Scores of rows [r0, r0 + ROWS) of a block against 16 keys (kw: fp32, D
+// apart), in register tiles of ROWS rows x KEYS keys, 16 accumulators: each
+// 16-lane chunk of a q row or a key is loaded once per tile and used KEYS or
+// ROWS times. masked[r] bit j: key c0 + j is masked for row r. A tile whose
+// every score is masked writes -inf and computes nothing. The same products,
+// sums and reduce16x16 tree as scores_few: the same bits.
+template <int ROWS, class E>
+inline void scores_group(const float* qw, int r0, const __mmask16* masked, const float* kw, int64_t chunks, int64_t D,
+                         float scale, E* const* o, int64_t c0) {
+  constexpr int KEYS = 16 / ROWS;
+  const __m512i unslot = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int k0 = 0; k0 < 16; k0 += KEYS) {
+    uint32_t m = 0;  // bit r * KEYS + j: key c0 + k0 + j of row r0 + r
+    for (int r = 0; r < ROWS; ++r) m |= ((static_cast<uint32_t>(masked[r0 + r]) >> k0) & ((1u << KEYS) - 1)) << (r * KEYS);
+    if (m == 0xffff) {
+      for (int r = 0; r < ROWS; ++r) fill_neg_inf(o[r0 + r] + c0 + k0, KEYS);
+      continue;
+    }
+    __m512 acc[16];
+    for (int s = 0; s < 16; ++s) acc[s] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < chunks; ++i) {
+      __m512 qv[ROWS];
+      for (int r = 0; r < ROWS; ++r) qv[r] = _mm512_loadu_ps(qw + (r0 + r) * D + 16 * i);
+      for (int j = 0; j < KEYS; ++j) {
+        const __m512 kv = _mm512_loadu_ps(kw + (k0 + j) * D + 16 * i);
+        for (int r = 0; r < ROWS; ++r) acc[r * KEYS + j] = _mm512_add_ps(acc[r * KEYS + j], _mm512_mul_ps(qv[r], kv));
+      }
+    }
+    alignas(64) E lanes[16];
+    store_scores(lanes, _mm512_permutexvar_ps(unslot, reduce16x16(acc)), scale, static_cast<__mmask16>(m));
+    for (int r = 0; r < ROWS; ++r) memcpy(o[r0 + r] + c0 + k0, lanes + r * KEYS, KEYS * sizeof(E));
+  }
+}
+
+// Prefill-sized blocks (up to kBlockRows rows): 16 keys at a time, widened
+// once for the block, then groups of 4 rows (2 and 1 for the rest) as
+// register tiles. Keys masked for every row are not read: causal prefill
+// masks about half of each block's keys so.
 template <class E>
 void scores_block_t(const E* const* q, const bool* const* m, E* const* o, int rows, const E* kb, int64_t L, int64_t D,
                     float scale, float* scratch) {
@@ -197,7 +252,7 @@ void scores_block_t(const E* const* q, const bool* const* m, E* const* o, int ro
     default: break;
   }
   const int64_t chunks = D / 16;
-  float* qw = scratch;                // [rows][D]
+  float* qw = scratch;                   // [rows][D]
   float* kw = scratch + kBlockRows * D;  // [16][D]
   for (int r = 0; r < rows; ++r)
     for (int64_t i = 0; i < chunks; ++i) _mm512_storeu_ps(qw + r * D + 16 * i, load_f32(q[r] + 16 * i));
@@ -209,39 +264,18 @@ void scores_block_t(const E* const* q, const bool* const* m, E* const* o, int ro
       masked[r] = masked16(m[r] + c0);
       any = any || masked[r] != 0xffff;
     }
-    if (any)
-      for (int j = 0; j < 16; ++j)
-        for (int64_t i = 0; i < chunks; ++i) _mm512_storeu_ps(kw + j * D + 16 * i, load_f32(kb + (c0 + j) * D + 16 * i));
-    for (int r = 0; r < rows; ++r) {
-      __m512 acc[16];
-      for (int s = 0; s < 16; ++s) acc[s] = _mm512_setzero_ps();
-      if (masked[r] != 0xffff) {
-        for (int64_t i = 0; i < chunks; ++i) {
-          const __m512 qv = _mm512_loadu_ps(qw + r * D + 16 * i);
-          for (int s = 0; s < 16; ++s)
-            acc[s] = _mm512_add_ps(acc[s], _mm512_mul_ps(qv, _mm512_loadu_ps(kw + kSlotKey[s] * D + 16 * i)));
-        }
-      }
-      store_scores(o[r] + c0, reduce16x16(acc), scale, masked[r]);
+    if (!any) {
+      for (int r = 0; r < rows; ++r) fill_neg_inf(o[r] + c0, 16);
+      continue;
     }
+    const float* k = rows_f32(kb, c0, 16, D, kw);
+    int r0 = 0;
+    for (; r0 + 4 <= rows; r0 += 4) scores_group<4>(qw, r0, masked, k, chunks, D, scale, o, c0);
+    if (r0 + 2 <= rows) scores_group<2>(qw, r0, masked, k, chunks, D, scale, o, c0), r0 += 2;
+    if (r0 < rows) scores_group<1>(qw, r0, masked, k, chunks, D, scale, o, c0);
   }
   if (c0 < L)  // the last keys one at a time: the same bits
     for (int r = 0; r < rows; ++r) scores_row_avx512(q[r], kb + c0 * D, m[r] + c0, o[r] + c0, L - c0, D, scale);
-}
-
-// acc[0, 16 P) += p[j] * v[j][0, 16 P) for keys j in order, skipping p[j] == 0
-// (values_row's order); v rows are D floats apart.
-template <int P, class E>
-inline void accumulate(float* acc, const E* p, const float* v, int64_t n, int64_t D) {
-  __m512 a[P];
-  for (int k = 0; k < P; ++k) a[k] = _mm512_loadu_ps(acc + 16 * k);
-  for (int64_t j = 0; j < n; ++j) {
-    const float pc = value(p, j);
-    if (pc == 0.0f) continue;  // as values_row: adds nothing
-    const __m512 pb = _mm512_set1_ps(pc);
-    for (int k = 0; k < P; ++k) a[k] = _mm512_add_ps(a[k], _mm512_mul_ps(pb, _mm512_loadu_ps(v + j * D + 16 * k)));
-  }
-  for (int k = 0; k < P; ++k) _mm512_storeu_ps(acc + 16 * k, a[k]);
 }
 
 // Decode-sized blocks of values: for every key in order, each chunk of its
@@ -289,6 +323,64 @@ void values_few(const E* const* p, E* const* o, const E* vb, int64_t L, int64_t 
   for (int r = 0; r < ROWS; ++r) store_row(o[r], acc + r * D, D);
 }
 
+// Rows [r0, r0 + ROWS) of a block, columns [d0, d0 + 16 PIECES), over the n
+// keys of a chunk: acc (the block's [rows][D] sums so far) += p * v for each
+// key in order; v: the chunk's value rows in fp32, D apart; pf: the rows'
+// weights in fp32, [rows][kBlockKeys]; live[r] bit j: row r weighs key j
+// (not 0). A row whose weight is 0 is left unchanged (values_row skips it),
+// a key that no row of the group weighs is skipped: the same bits.
+template <int ROWS, int PIECES>
+inline void values_group(float* acc, const float* pf, const uint32_t* live, int r0, const float* v, int64_t n,
+                         int64_t D, int64_t d0) {
+  __m512 a[ROWS][PIECES];
+  for (int r = 0; r < ROWS; ++r)
+    for (int k = 0; k < PIECES; ++k) a[r][k] = _mm512_loadu_ps(acc + (r0 + r) * D + d0 + 16 * k);
+  constexpr uint32_t all = (1u << ROWS) - 1;
+  for (int64_t j = 0; j < n; ++j) {
+    uint32_t group = 0;  // bit r: row r0 + r weighs key j
+    for (int r = 0; r < ROWS; ++r) group |= ((live[r0 + r] >> j) & 1u) << r;
+    if (group == 0) continue;
+    const float* vj = v + j * D + d0;
+    __m512 pb[ROWS];
+    for (int r = 0; r < ROWS; ++r) pb[r] = _mm512_set1_ps(pf[(r0 + r) * kBlockKeys + j]);
+    if (group == all) {
+      for (int k = 0; k < PIECES; ++k) {
+        const __m512 vk = _mm512_loadu_ps(vj + 16 * k);
+        for (int r = 0; r < ROWS; ++r) a[r][k] = _mm512_add_ps(a[r][k], _mm512_mul_ps(pb[r], vk));
+      }
+    } else {
+      for (int k = 0; k < PIECES; ++k) {
+        const __m512 vk = _mm512_loadu_ps(vj + 16 * k);
+        for (int r = 0; r < ROWS; ++r) {
+          const __mmask16 on = static_cast<__mmask16>(0u - ((group >> r) & 1u));
+          a[r][k] = _mm512_mask_add_ps(a[r][k], on, a[r][k], _mm512_mul_ps(pb[r], vk));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int k = 0; k < PIECES; ++k) _mm512_storeu_ps(acc + (r0 + r) * D + d0 + 16 * k, a[r][k]);
+}
+
+// All D columns of rows [r0, r0 + ROWS): passes of at most 16 accumulators
+// (8 chunks of 16 columns for 1 or 2 rows, 4 for 4 rows), fewer at the end.
+template <int ROWS>
+inline void values_rows(float* acc, const float* pf, const uint32_t* live, int r0, const float* v, int64_t n,
+                        int64_t D) {
+  constexpr int kMax = ROWS == 4 ? 4 : 8;
+  for (int64_t d0 = 0; d0 < D;) {
+    const int64_t left = (D - d0) / 16;
+    if (left >= 8 && kMax == 8) values_group<ROWS, kMax>(acc, pf, live, r0, v, n, D, d0), d0 += 16 * kMax;
+    else if (left >= 4) values_group<ROWS, 4>(acc, pf, live, r0, v, n, D, d0), d0 += 16 * 4;
+    else if (left == 3) values_group<ROWS, 3>(acc, pf, live, r0, v, n, D, d0), d0 += 16 * 3;
+    else if (left == 2) values_group<ROWS, 2>(acc, pf, live, r0, v, n, D, d0), d0 += 16 * 2;
+    else values_group<ROWS, 1>(acc, pf, live, r0, v, n, D, d0), d0 += 16;
+  }
+}
+
+// Prefill-sized blocks of values: kBlockKeys keys at a time, widened once
+// for the block, then groups of 4 rows (2 and 1 for the rest) as register
+// tiles of rows x 16-column chunks. Keys weighed by no row are not read.
 template <class E>
 void values_block_t(const E* const* p, E* const* o, int rows, const E* vb, int64_t L, int64_t D, float* scratch) {
   switch (rows) {
@@ -298,33 +390,28 @@ void values_block_t(const E* const* p, E* const* o, int rows, const E* vb, int64
     default: break;
   }
   float* acc = scratch;                  // [rows][D]
-  float* vw = scratch + kBlockRows * D;  // [16][D]
+  float* vw = scratch + kBlockRows * D;  // [kBlockKeys][D]
   for (int64_t i = 0; i < rows * D; ++i) acc[i] = 0.0f;
-  constexpr int64_t kPiece = 8;  // accumulator registers per row and pass: 8 x 16 columns
-  for (int64_t c0 = 0; c0 < L; c0 += 16) {
-    const int64_t n = L - c0 < 16 ? L - c0 : 16;
-    bool any = false;
-    for (int r = 0; r < rows && !any; ++r)
-      for (int64_t j = 0; j < n && !any; ++j) any = value(p[r], c0 + j) != 0.0f;
-    if (!any) continue;  // every row's weights are 0 here (masked): nothing to add
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vw + j * D + d, load_f32(vb + (c0 + j) * D + d));
-    for (int r = 0; r < rows; ++r)
-      for (int64_t d0 = 0; d0 < D; d0 += 16 * kPiece) {
-        const int64_t pieces = (D - d0) / 16 < kPiece ? (D - d0) / 16 : kPiece;
-        float* a = acc + r * D + d0;
-        const float* v = vw + d0;
-        switch (pieces) {  // the accumulators stay in registers only with a constant count
-          case 8: accumulate<8>(a, p[r] + c0, v, n, D); break;
-          case 7: accumulate<7>(a, p[r] + c0, v, n, D); break;
-          case 6: accumulate<6>(a, p[r] + c0, v, n, D); break;
-          case 5: accumulate<5>(a, p[r] + c0, v, n, D); break;
-          case 4: accumulate<4>(a, p[r] + c0, v, n, D); break;
-          case 3: accumulate<3>(a, p[r] + c0, v, n, D); break;
-          case 2: accumulate<2>(a, p[r] + c0, v, n, D); break;
-          default: accumulate<1>(a, p[r] + c0, v, n, D); break;
-        }
+  alignas(64) float pf[kBlockRows * kBlockKeys];
+  uint32_t live[kBlockRows];
+  for (int64_t c0 = 0; c0 < L; c0 += kBlockKeys) {
+    const int64_t n = L - c0 < kBlockKeys ? L - c0 : kBlockKeys;
+    uint32_t any = 0;
+    for (int r = 0; r < rows; ++r) {
+      live[r] = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const float pc = value(p[r], c0 + j);
+        pf[r * kBlockKeys + j] = pc;
+        live[r] |= static_cast<uint32_t>(pc != 0.0f) << j;
       }
+      any |= live[r];
+    }
+    if (any == 0) continue;  // every row's weights are 0 here (masked): nothing to add
+    const float* v = rows_f32(vb, c0, n, D, vw);
+    int r0 = 0;
+    for (; r0 + 4 <= rows; r0 += 4) values_rows<4>(acc, pf, live, r0, v, n, D);
+    if (r0 + 2 <= rows) values_rows<2>(acc, pf, live, r0, v, n, D), r0 += 2;
+    if (r0 < rows) values_rows<1>(acc, pf, live, r0, v, n, D);
   }
   for (int r = 0; r < rows; ++r) store_row(o[r], acc + r * D, D);
 }

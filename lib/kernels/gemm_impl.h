@@ -118,9 +118,10 @@ bool scores_row_avx512(const float* q, const float* keys, const bool* masked, fl
 // Rows of one KV head computed together (attention_avx512.cpp): up to
 // kBlockRows query rows against the same keys or values; row r reads q[r]
 // (or probs[r]) and masked[r], writes out[r]. scratch holds
-// (kBlockRows + 16) * D floats; D a multiple of 16, at most kBlockMaxD. Same
-// bits as the row functions.
+// (kBlockRows + kBlockKeys) * D floats; D a multiple of 16, at most
+// kBlockMaxD. Same bits as the row functions.
 constexpr int kBlockRows = 16;
+constexpr int kBlockKeys = 32;  // keys widened to fp32 at a time (at most 32: a bit mask per row)
 constexpr int64_t kBlockMaxD = 512;
 void scores_block_avx512(const uint16_t* const* q, const bool* const* masked, uint16_t* const* out, int rows,
                          const uint16_t* keys, int64_t L, int64_t D, float scale, float* scratch);

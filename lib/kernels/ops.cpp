@@ -330,7 +330,7 @@ bool for_head_blocks(std::int64_t B, std::int64_t T, std::int64_t H, std::int64_
   const std::int64_t per = std::max<std::int64_t>(1, detail::kBlockRows / G);  // positions per block
   const std::int64_t tblocks = (T + per - 1) / per;
   at::parallel_for(0, B * KV * tblocks, grain(std::min(T, per) * G * L * D), [&](std::int64_t begin, std::int64_t end) {
-    std::vector<float> scratch(static_cast<std::size_t>((detail::kBlockRows + 16) * D));
+    std::vector<float> scratch(static_cast<std::size_t>((detail::kBlockRows + detail::kBlockKeys) * D));
     std::int64_t row_h[detail::kBlockRows], row_t[detail::kBlockRows];
     for (std::int64_t u = begin; u < end; ++u) {
       const std::int64_t b = u / (KV * tblocks), kv = u / tblocks % KV, t0 = u % tblocks * per;

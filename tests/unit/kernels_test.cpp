@@ -388,11 +388,13 @@ TEST_CASE("ops: prefill attention (blocks of rows, fused or not) has the portabl
   // leave partial key blocks and partial position blocks; causal and padding
   // masks; the cache written from column `start` on. Blocks of 1, 2 and 4
   // rows (G = 2 at T = 1 or 2, G = 4 and G = 1 when decoding) take the
-  // register tiles of attention_avx512.cpp, larger ones the 16-key blocks.
+  // register tiles of attention_avx512.cpp, larger ones the 16-key blocks in
+  // groups of 4 rows, then 2 and 1 (G = 3: blocks of 15 and 6 rows; G = 1 at
+  // T = 19: 16 and 3).
   struct Case { std::int64_t B, T, H, KV, D, start; };
   for (const Case cs : {Case{2, 37, 8, 2, 48, 5}, Case{1, 16, 4, 4, 128, 0}, Case{3, 9, 16, 2, 64, 20},
                         Case{2, 1, 8, 1, 128, 40}, Case{2, 5, 4, 2, 128, 33}, Case{3, 2, 2, 1, 48, 50},
-                        Case{2, 1, 16, 8, 128, 90}}) {
+                        Case{2, 1, 16, 8, 128, 90}, Case{2, 7, 6, 2, 48, 3}, Case{1, 19, 2, 2, 64, 0}}) {
     for (auto dtype : {at::kFloat, at::kBFloat16}) {
       CAPTURE(cs.T);
       CAPTURE(cs.D);
@@ -400,6 +402,9 @@ TEST_CASE("ops: prefill attention (blocks of rows, fused or not) has the portabl
       const std::int64_t L = cs.start + cs.T, cap = L + 3;
       at::Tensor q = at::randn({cs.B, cs.T, cs.H, cs.D}).to(dtype);
       at::Tensor keys = at::randn({cs.B, cs.KV, cap, cs.D}).to(dtype), values = at::randn({cs.B, cs.KV, cap, cs.D}).to(dtype);
+      // An infinite value at the last key, which only the last position
+      // weighs: every other row must skip it (0 * inf would be NaN).
+      values.select(2, L - 1).select(2, 0).fill_(std::numeric_limits<double>::infinity());
       at::Tensor qcol = at::arange(cs.start, L).view({cs.T, 1}), kcol = at::arange(0, L).view({1, L});
       at::Tensor pad = at::arange(0, L).view({1, L}) < at::randint(0, cs.start + 1, {cs.B, 1});  // left padding
       at::Tensor masked = ((kcol > qcol).unsqueeze(0).logical_or(pad.unsqueeze(1)))

@@ -244,16 +244,28 @@ at::Tensor PackedLinear::run(const at::Tensor& x, Isa isa) const {
   // block is then reused across all of a thread's panels while it is in cache.
   // Decode-sized chunks are at most 8 panels (1 MiB of a 1024-deep bf16
   // matrix): the LM head's 2374 panels in 16 chunks had left one thread up to
-  // ~1 ms behind the other at the end.
-  const std::int64_t chunk = M > detail::kSmallM ? (panels + threads - 1) / threads
-                                                 : std::clamp<std::int64_t>(panels / (8 * threads), 1, 8);
+  // ~1 ms behind the other at the end. They shrink towards the end (a share
+  // of what is left, down to one panel), so that the threads finish
+  // together: the Qwen3-0.6B shape's 113 projections of a decode step left
+  // one thread waiting 1.6 ms in all at batch 8 and 1.4 ms at batch 1 with
+  // fixed chunks, 1.0 and 0.7 ms so (docs/benchmarks.md, 2026-12-03 fifth
+  // session).
+  const bool prefill = M > detail::kSmallM;
+  const std::int64_t chunk =
+      prefill ? (panels + threads - 1) / threads : std::clamp<std::int64_t>(panels / (8 * threads), 1, 8);
   std::atomic<std::int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](std::int64_t, std::int64_t) {
     GemmArgs part = a;
-    for (std::int64_t begin; (begin = next.fetch_add(chunk, std::memory_order_relaxed)) < panels;) {
+    std::int64_t begin = next.load(std::memory_order_relaxed), size = 0;
+    for (;;) {
+      do {
+        size = prefill ? chunk : std::clamp<std::int64_t>((panels - begin) / (2 * threads), 1, chunk);
+      } while (begin < panels && !next.compare_exchange_weak(begin, begin + size, std::memory_order_relaxed));
+      if (begin >= panels) break;
       part.panel_begin = begin;
-      part.panel_end = std::min(panels, begin + chunk);
+      part.panel_end = std::min(panels, begin + size);
       fn(part);
+      begin = next.load(std::memory_order_relaxed);
     }
   });
   return y.view(sizes);

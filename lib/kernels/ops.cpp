@@ -266,7 +266,7 @@ std::int64_t grain(std::int64_t work) {
 // add takes ~0.1 ns per element of a large tensor, these loops 0.6-1.1 ns
 // (RMSNorm, RoPE, SwiGLU on bf16 rows; AVX512-BF16 EPYC, one thread), so
 // each element counts as 8. At batch-8 decode of the Qwen3-0.6B shape they
-// then split over 2 threads (SwiGLU 8 x 3072: 27.7 us on one thread); one
+// then split over 2 threads (SwiGLU 8 x 3072: 23-28 us on one thread); one
 // row of batch 1 and a small model's rows stay on the calling thread.
 constexpr std::int64_t kRowElementCost = 8;
 

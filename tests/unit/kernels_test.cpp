@@ -390,11 +390,12 @@ TEST_CASE("ops: prefill attention (blocks of rows, fused or not) has the portabl
   // rows (G = 2 at T = 1 or 2, G = 4 and G = 1 when decoding) take the
   // register tiles of attention_avx512.cpp, larger ones the 16-key blocks in
   // groups of 4 rows, then 2 and 1 (G = 3: blocks of 15 and 6 rows; G = 1 at
-  // T = 19: 16 and 3).
+  // T = 19: 16 and 3; G = 5: 15 rows; head_dim 16: one chunk).
   struct Case { std::int64_t B, T, H, KV, D, start; };
   for (const Case cs : {Case{2, 37, 8, 2, 48, 5}, Case{1, 16, 4, 4, 128, 0}, Case{3, 9, 16, 2, 64, 20},
                         Case{2, 1, 8, 1, 128, 40}, Case{2, 5, 4, 2, 128, 33}, Case{3, 2, 2, 1, 48, 50},
-                        Case{2, 1, 16, 8, 128, 90}, Case{2, 7, 6, 2, 48, 3}, Case{1, 19, 2, 2, 64, 0}}) {
+                        Case{2, 1, 16, 8, 128, 90}, Case{2, 7, 6, 2, 48, 3}, Case{1, 19, 2, 2, 64, 0},
+                        Case{2, 17, 10, 2, 16, 6}, Case{1, 33, 12, 4, 32, 1}}) {
     for (auto dtype : {at::kFloat, at::kBFloat16}) {
       CAPTURE(cs.T);
       CAPTURE(cs.D);

@@ -102,7 +102,7 @@ inline __m512i to_bf16_lanes(__m512 v) {
 
 // r[j] = reduce16(a[j]) for 16 vectors, with reduce16's pairs (lane l with
 // l + 8, then + 4, + 2, + 1). The result lands transposed: lane 4k + i holds
-// a[4i + k], so callers put key 4k + i in slot 4i + k (kSlotKey).
+// a[4i + k] (scores_group permutes it back).
 inline __m512 reduce16x16(const __m512* a) {
   __m512 s8[8], s4[4], s2[2];
   for (int m = 0; m < 8; ++m)  // [lo 8 of a, lo 8 of b] + [hi 8 of a, hi 8 of b]
@@ -116,7 +116,6 @@ inline __m512 reduce16x16(const __m512* a) {
                           _mm512_shuffle_ps(s4[2 * o], s4[2 * o + 1], 0xee));
   return _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], 0x88), _mm512_shuffle_ps(s2[0], s2[1], 0xdd));
 }
-constexpr int kSlotKey[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 
 // 16 scores of one row: round as scores_row_avx512 does, -inf where masked.
 inline void store_scores(uint16_t* o, __m512 dots, float scale, __mmask16 masked) {
@@ -143,50 +142,6 @@ inline __mmask16 masked16(const bool* m) {
   return static_cast<__mmask16>(_mm_movemask_epi8(_mm_cmpgt_epi8(bytes, _mm_setzero_si128())));
 }
 
-// Decode-sized blocks (1, 2 or 4 rows: the query heads of one KV head at one
-// position) as register tiles of ROWS rows x KEYS keys, 16 accumulators in
-// all: each key chunk is widened in a register once and used by every row,
-// with no pass through the scratch buffer (that pass cost as much as the
-// products at 2 rows). The same products, sums and tree as the 16-key
-// blocks below, so the same bits; reduce16x16 does not care which 16
-// vectors it reduces.
-template <int ROWS, class E>
-void scores_few(const E* const* q, const bool* const* m, E* const* o, const E* kb, int64_t L, int64_t D, float scale,
-                float* scratch) {
-  constexpr int KEYS = 16 / ROWS;
-  const int64_t chunks = D / 16;
-  float* qw = scratch;  // [ROWS][D]
-  for (int r = 0; r < ROWS; ++r)
-    for (int64_t i = 0; i < chunks; ++i) _mm512_storeu_ps(qw + r * D + 16 * i, load_f32(q[r] + 16 * i));
-  // reduce16x16 leaves vector 4i + k in lane 4k + i: this puts vector s in lane s.
-  const __m512i unslot = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  int64_t c0 = 0;
-  for (; c0 + KEYS <= L; c0 += KEYS) {
-    __mmask16 masked = 0;  // lane r * KEYS + j: key c0 + j of row r
-    for (int r = 0; r < ROWS; ++r)
-      for (int j = 0; j < KEYS; ++j)
-        if (m[r][c0 + j]) masked = static_cast<__mmask16>(masked | (1u << (r * KEYS + j)));
-    __m512 acc[16];
-    for (int s = 0; s < 16; ++s) acc[s] = _mm512_setzero_ps();
-    if (masked != 0xffff) {
-      for (int64_t i = 0; i < chunks; ++i) {
-        __m512 qv[ROWS];
-        for (int r = 0; r < ROWS; ++r) qv[r] = _mm512_loadu_ps(qw + r * D + 16 * i);
-        for (int j = 0; j < KEYS; ++j) {
-          const __m512 kv = load_f32(kb + (c0 + j) * D + 16 * i);
-          for (int r = 0; r < ROWS; ++r)
-            acc[r * KEYS + j] = _mm512_add_ps(acc[r * KEYS + j], _mm512_mul_ps(qv[r], kv));
-        }
-      }
-    }
-    alignas(64) E lanes[16];
-    store_scores(lanes, _mm512_permutexvar_ps(unslot, reduce16x16(acc)), scale, masked);
-    for (int r = 0; r < ROWS; ++r) memcpy(o[r] + c0, lanes + r * KEYS, KEYS * sizeof(E));
-  }
-  if (c0 < L)  // the last keys one at a time: the same bits
-    for (int r = 0; r < ROWS; ++r) scores_row_avx512(q[r], kb + c0 * D, m[r] + c0, o[r] + c0, L - c0, D, scale);
-}
-
 // -inf in the dtype, n times.
 inline void fill_neg_inf(float* o, int n) {
   for (int j = 0; j < n; ++j) o[j] = -__builtin_inff();
@@ -204,18 +159,32 @@ inline const float* rows_f32(const uint16_t* kb, int64_t c0, int64_t n, int64_t 
   return w;
 }
 
-// Scores of rows [r0, r0 + ROWS) of a block against 16 keys (kw: fp32, D
-// apart), in register tiles of ROWS rows x KEYS keys, 16 accumulators: each
-// 16-lane chunk of a q row or a key is loaded once per tile and used KEYS or
-// ROWS times. masked[r] bit j: key c0 + j is masked for row r. A tile whose
-// every score is masked writes -inf and computes nothing. The same products,
-// sums and reduce16x16 tree as scores_few: the same bits.
-template <int ROWS, class E>
-inline void scores_group(const float* qw, int r0, const __mmask16* masked, const float* kw, int64_t chunks, int64_t D,
-                         float scale, E* const* o, int64_t c0) {
+// A block's rows run in groups of 4, then 2 and 1 for the rest:
+// fn(Int<ROWS>, r0) for each group (Int: gemm_impl.h).
+template <class Fn>
+inline void for_groups(int rows, Fn fn) {
+  int r0 = 0;
+  for (; r0 + 4 <= rows; r0 += 4) fn(Int<4>{}, r0);
+  if (r0 + 2 <= rows) fn(Int<2>{}, r0), r0 += 2;
+  if (r0 < rows) fn(Int<1>{}, r0);
+}
+
+// Scores of rows [r0, r0 + ROWS) against the first n (<= 16) of 16 keys (K:
+// fp32, or bf16 widened here in a register; D apart), in register tiles of
+// ROWS rows x KEYS keys, 16 accumulators: each 16-lane chunk of a q row (qw:
+// fp32, D apart) or of a key is loaded once per tile and used KEYS or ROWS
+// times. masked[r] bit j: key c0 + j is masked for row r. A tile whose every
+// score is masked writes -inf and computes nothing. reduce16x16 sums each
+// accumulator in the portable tree's order, whichever 16 it is given: the
+// row functions' bits. Returns the keys done, a multiple of KEYS.
+template <int ROWS, class K, class E>
+inline int scores_group(const float* qw, int r0, const __mmask16* masked, const K* keys, int n, int64_t chunks,
+                        int64_t D, float scale, E* const* o, int64_t c0) {
   constexpr int KEYS = 16 / ROWS;
+  // reduce16x16 leaves vector 4i + k in lane 4k + i: this puts vector s in lane s.
   const __m512i unslot = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  for (int k0 = 0; k0 < 16; k0 += KEYS) {
+  int k0 = 0;
+  for (; k0 + KEYS <= n; k0 += KEYS) {
     uint32_t m = 0;  // bit r * KEYS + j: key c0 + k0 + j of row r0 + r
     for (int r = 0; r < ROWS; ++r) m |= ((static_cast<uint32_t>(masked[r0 + r]) >> k0) & ((1u << KEYS) - 1)) << (r * KEYS);
     if (m == 0xffff) {
@@ -228,7 +197,7 @@ inline void scores_group(const float* qw, int r0, const __mmask16* masked, const
       __m512 qv[ROWS];
       for (int r = 0; r < ROWS; ++r) qv[r] = _mm512_loadu_ps(qw + (r0 + r) * D + 16 * i);
       for (int j = 0; j < KEYS; ++j) {
-        const __m512 kv = _mm512_loadu_ps(kw + (k0 + j) * D + 16 * i);
+        const __m512 kv = load_f32(keys + (k0 + j) * D + 16 * i);
         for (int r = 0; r < ROWS; ++r) acc[r * KEYS + j] = _mm512_add_ps(acc[r * KEYS + j], _mm512_mul_ps(qv[r], kv));
       }
     }
@@ -236,101 +205,64 @@ inline void scores_group(const float* qw, int r0, const __mmask16* masked, const
     store_scores(lanes, _mm512_permutexvar_ps(unslot, reduce16x16(acc)), scale, static_cast<__mmask16>(m));
     for (int r = 0; r < ROWS; ++r) memcpy(o[r0 + r] + c0 + k0, lanes + r * KEYS, KEYS * sizeof(E));
   }
+  return k0;
 }
 
-// Prefill-sized blocks (up to kBlockRows rows): 16 keys at a time, widened
-// once for the block, then groups of 4 rows (2 and 1 for the rest) as
-// register tiles. Keys masked for every row are not read: causal prefill
-// masks about half of each block's keys so.
+// Blocks of rows that read the same keys, 16 keys at a time. Decode-sized
+// blocks (up to 4 rows: the query heads of one KV head at one position) read
+// each key chunk from the cache and widen it in a register for all their
+// rows (a pass through the scratch buffer cost as much as the products at 2
+// rows); larger ones (prefill) widen the 16 keys once into scratch for all
+// their groups. Keys masked for every row are not read: causal prefill masks
+// about half of each block's keys so. The last keys that fill no tile of a
+// group go one at a time (scores_row_avx512): the same bits.
 template <class E>
 void scores_block_t(const E* const* q, const bool* const* m, E* const* o, int rows, const E* kb, int64_t L, int64_t D,
                     float scale, float* scratch) {
-  switch (rows) {
-    case 1: return scores_few<1>(q, m, o, kb, L, D, scale, scratch);
-    case 2: return scores_few<2>(q, m, o, kb, L, D, scale, scratch);
-    case 4: return scores_few<4>(q, m, o, kb, L, D, scale, scratch);
-    default: break;
-  }
   const int64_t chunks = D / 16;
   float* qw = scratch;                   // [rows][D]
   float* kw = scratch + kBlockRows * D;  // [16][D]
   for (int r = 0; r < rows; ++r)
     for (int64_t i = 0; i < chunks; ++i) _mm512_storeu_ps(qw + r * D + 16 * i, load_f32(q[r] + 16 * i));
-  int64_t c0 = 0;
-  for (; c0 + 16 <= L; c0 += 16) {
+  for (int64_t c0 = 0; c0 < L; c0 += 16) {
+    const int n = L - c0 < 16 ? static_cast<int>(L - c0) : 16;
     __mmask16 masked[kBlockRows];
     bool any = false;
     for (int r = 0; r < rows; ++r) {
-      masked[r] = masked16(m[r] + c0);
-      any = any || masked[r] != 0xffff;
+      if (n == 16) {
+        masked[r] = masked16(m[r] + c0);
+      } else {  // the last chunk: only its n bytes
+        masked[r] = 0;
+        for (int j = 0; j < n; ++j) masked[r] = static_cast<__mmask16>(masked[r] | (m[r][c0 + j] ? 1u << j : 0u));
+      }
+      any = any || masked[r] != static_cast<__mmask16>((1u << n) - 1);
     }
     if (!any) {
-      for (int r = 0; r < rows; ++r) fill_neg_inf(o[r] + c0, 16);
+      for (int r = 0; r < rows; ++r) fill_neg_inf(o[r] + c0, n);
       continue;
     }
-    const float* k = rows_f32(kb, c0, 16, D, kw);
-    int r0 = 0;
-    for (; r0 + 4 <= rows; r0 += 4) scores_group<4>(qw, r0, masked, k, chunks, D, scale, o, c0);
-    if (r0 + 2 <= rows) scores_group<2>(qw, r0, masked, k, chunks, D, scale, o, c0), r0 += 2;
-    if (r0 < rows) scores_group<1>(qw, r0, masked, k, chunks, D, scale, o, c0);
+    auto groups = [&](const auto* keys) {
+      for_groups(rows, [&](auto g, int r0) {
+        const int done = scores_group<decltype(g)::value>(qw, r0, masked, keys, n, chunks, D, scale, o, c0);
+        if (done < n)
+          for (int r = r0; r < r0 + decltype(g)::value; ++r)
+            scores_row_avx512(q[r], kb + (c0 + done) * D, m[r] + c0 + done, o[r] + c0 + done, n - done, D, scale);
+      });
+    };
+    if (rows <= 4) groups(kb + c0 * D);
+    else groups(rows_f32(kb, c0, n, D, kw));
   }
-  if (c0 < L)  // the last keys one at a time: the same bits
-    for (int r = 0; r < rows; ++r) scores_row_avx512(q[r], kb + c0 * D, m[r] + c0, o[r] + c0, L - c0, D, scale);
-}
-
-// Decode-sized blocks of values: for every key in order, each chunk of its
-// value row is widened once in a register and added into the ROWS rows'
-// accumulators (PIECES chunks per pass over the keys), a row whose weight is
-// 0 left unchanged (values_row skips it): the same bits.
-template <int ROWS, int PIECES, class E>
-void values_few_pass(const E* const* p, float* acc, const E* vb, int64_t L, int64_t D, int64_t d0) {
-  __m512 a[ROWS][PIECES];
-  for (int r = 0; r < ROWS; ++r)
-    for (int k = 0; k < PIECES; ++k) a[r][k] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < L; ++j) {
-    __m512 pb[ROWS];
-    __mmask16 live[ROWS];
-    bool any = false;
-    for (int r = 0; r < ROWS; ++r) {
-      const float pc = value(p[r], j);
-      pb[r] = _mm512_set1_ps(pc);
-      live[r] = pc != 0.0f ? 0xffff : 0;
-      any = any || pc != 0.0f;
-    }
-    if (!any) continue;  // masked (or underflowed) for every row: adds nothing
-    const E* v = vb + j * D + d0;
-    for (int k = 0; k < PIECES; ++k) {
-      const __m512 vk = load_f32(v + 16 * k);
-      for (int r = 0; r < ROWS; ++r) a[r][k] = _mm512_mask_add_ps(a[r][k], live[r], a[r][k], _mm512_mul_ps(pb[r], vk));
-    }
-  }
-  for (int r = 0; r < ROWS; ++r)
-    for (int k = 0; k < PIECES; ++k) _mm512_storeu_ps(acc + r * D + d0 + 16 * k, a[r][k]);
-}
-
-template <int ROWS, class E>
-void values_few(const E* const* p, E* const* o, const E* vb, int64_t L, int64_t D, float* scratch) {
-  constexpr int64_t kMaxPieces = 16 / ROWS > 8 ? 8 : 16 / ROWS;  // at most 16 accumulators
-  float* acc = scratch;  // [ROWS][D]
-  for (int64_t d0 = 0; d0 < D;) {
-    const int64_t left = (D - d0) / 16;
-    const int64_t pieces = left < kMaxPieces ? left : kMaxPieces;
-    if (pieces >= 8) values_few_pass<ROWS, 8>(p, acc, vb, L, D, d0), d0 += 16 * 8;
-    else if (pieces >= 4) values_few_pass<ROWS, 4>(p, acc, vb, L, D, d0), d0 += 16 * 4;
-    else if (pieces >= 2) values_few_pass<ROWS, 2>(p, acc, vb, L, D, d0), d0 += 16 * 2;
-    else values_few_pass<ROWS, 1>(p, acc, vb, L, D, d0), d0 += 16;
-  }
-  for (int r = 0; r < ROWS; ++r) store_row(o[r], acc + r * D, D);
 }
 
 // Rows [r0, r0 + ROWS) of a block, columns [d0, d0 + 16 PIECES), over the n
 // keys of a chunk: acc (the block's [rows][D] sums so far) += p * v for each
-// key in order; v: the chunk's value rows in fp32, D apart; pf: the rows'
-// weights in fp32, [rows][kBlockKeys]; live[r] bit j: row r weighs key j
-// (not 0). A row whose weight is 0 is left unchanged (values_row skips it),
-// a key that no row of the group weighs is skipped: the same bits.
-template <int ROWS, int PIECES>
-inline void values_group(float* acc, const float* pf, const uint32_t* live, int r0, const float* v, int64_t n,
+// key in order; v: the chunk's value rows (V: fp32, or bf16 widened here in
+// a register; D apart); pf: the rows' weights in fp32, [rows][kBlockKeys];
+// live[r] bit j: row r weighs key j (not 0). A row whose weight is 0 is left
+// unchanged (values_row skips it), a key that no row of the group weighs is
+// skipped: the same bits.
+template <int ROWS, int PIECES, class V>
+inline void values_group(float* acc, const float* pf, const uint32_t* live, int r0, const V* v, int64_t n,
                          int64_t D, int64_t d0) {
   __m512 a[ROWS][PIECES];
   for (int r = 0; r < ROWS; ++r)
@@ -340,17 +272,17 @@ inline void values_group(float* acc, const float* pf, const uint32_t* live, int 
     uint32_t group = 0;  // bit r: row r0 + r weighs key j
     for (int r = 0; r < ROWS; ++r) group |= ((live[r0 + r] >> j) & 1u) << r;
     if (group == 0) continue;
-    const float* vj = v + j * D + d0;
+    const V* vj = v + j * D + d0;
     __m512 pb[ROWS];
     for (int r = 0; r < ROWS; ++r) pb[r] = _mm512_set1_ps(pf[(r0 + r) * kBlockKeys + j]);
     if (group == all) {
       for (int k = 0; k < PIECES; ++k) {
-        const __m512 vk = _mm512_loadu_ps(vj + 16 * k);
+        const __m512 vk = load_f32(vj + 16 * k);
         for (int r = 0; r < ROWS; ++r) a[r][k] = _mm512_add_ps(a[r][k], _mm512_mul_ps(pb[r], vk));
       }
     } else {
       for (int k = 0; k < PIECES; ++k) {
-        const __m512 vk = _mm512_loadu_ps(vj + 16 * k);
+        const __m512 vk = load_f32(vj + 16 * k);
         for (int r = 0; r < ROWS; ++r) {
           const __mmask16 on = static_cast<__mmask16>(0u - ((group >> r) & 1u));
           a[r][k] = _mm512_mask_add_ps(a[r][k], on, a[r][k], _mm512_mul_ps(pb[r], vk));
@@ -364,9 +296,8 @@ inline void values_group(float* acc, const float* pf, const uint32_t* live, int 
 
 // All D columns of rows [r0, r0 + ROWS): passes of at most 16 accumulators
 // (8 chunks of 16 columns for 1 or 2 rows, 4 for 4 rows), fewer at the end.
-template <int ROWS>
-inline void values_rows(float* acc, const float* pf, const uint32_t* live, int r0, const float* v, int64_t n,
-                        int64_t D) {
+template <int ROWS, class V>
+inline void values_rows(float* acc, const float* pf, const uint32_t* live, int r0, const V* v, int64_t n, int64_t D) {
   constexpr int kMax = ROWS == 4 ? 4 : 8;
   for (int64_t d0 = 0; d0 < D;) {
     const int64_t left = (D - d0) / 16;
@@ -378,17 +309,13 @@ inline void values_rows(float* acc, const float* pf, const uint32_t* live, int r
   }
 }
 
-// Prefill-sized blocks of values: kBlockKeys keys at a time, widened once
-// for the block, then groups of 4 rows (2 and 1 for the rest) as register
-// tiles of rows x 16-column chunks. Keys weighed by no row are not read.
+// Blocks of values, kBlockKeys keys at a time, in groups of 4 rows (2 and 1
+// for the rest) as register tiles of rows x 16-column chunks. Decode-sized
+// blocks (up to 4 rows) widen each value chunk in a register for all their
+// rows; larger ones widen the keys' value rows once into scratch for all
+// their groups. Keys weighed by no row are not read.
 template <class E>
 void values_block_t(const E* const* p, E* const* o, int rows, const E* vb, int64_t L, int64_t D, float* scratch) {
-  switch (rows) {
-    case 1: return values_few<1>(p, o, vb, L, D, scratch);
-    case 2: return values_few<2>(p, o, vb, L, D, scratch);
-    case 4: return values_few<4>(p, o, vb, L, D, scratch);
-    default: break;
-  }
   float* acc = scratch;                  // [rows][D]
   float* vw = scratch + kBlockRows * D;  // [kBlockKeys][D]
   for (int64_t i = 0; i < rows * D; ++i) acc[i] = 0.0f;
@@ -407,11 +334,11 @@ void values_block_t(const E* const* p, E* const* o, int rows, const E* vb, int64
       any |= live[r];
     }
     if (any == 0) continue;  // every row's weights are 0 here (masked): nothing to add
-    const float* v = rows_f32(vb, c0, n, D, vw);
-    int r0 = 0;
-    for (; r0 + 4 <= rows; r0 += 4) values_rows<4>(acc, pf, live, r0, v, n, D);
-    if (r0 + 2 <= rows) values_rows<2>(acc, pf, live, r0, v, n, D), r0 += 2;
-    if (r0 < rows) values_rows<1>(acc, pf, live, r0, v, n, D);
+    auto groups = [&](const auto* v) {
+      for_groups(rows, [&](auto g, int r0) { values_rows<decltype(g)::value>(acc, pf, live, r0, v, n, D); });
+    };
+    if (rows <= 4) groups(vb + c0 * D);
+    else groups(rows_f32(vb, c0, n, D, vw));
   }
   for (int r = 0; r < rows; ++r) store_row(o[r], acc + r * D, D);
 }

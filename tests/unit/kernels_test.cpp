@@ -386,10 +386,10 @@ TEST_CASE("ops: prefill attention (blocks of rows, fused or not) has the portabl
   at::manual_seed(11);
   // head_dim 48 (three 16-lane chunks) and 128; G = 1, 2, 4, 8; lengths that
   // leave partial key blocks and partial position blocks; causal and padding
-  // masks; the cache written from column `start` on. Blocks of 1, 2 and 4
-  // rows (G = 2 at T = 1 or 2, G = 4 and G = 1 when decoding) take the
-  // register tiles of attention_avx512.cpp, larger ones the 16-key blocks in
-  // groups of 4 rows, then 2 and 1 (G = 3: blocks of 15 and 6 rows; G = 1 at
+  // masks; the cache written from column `start` on. Blocks run as register
+  // tiles in groups of 4 rows, then 2 and 1; blocks of up to 4 rows (G = 2
+  // at T = 1 or 2, G = 4 and G = 1 when decoding) widen keys in registers,
+  // larger ones into scratch (G = 3: blocks of 15 and 6 rows; G = 1 at
   // T = 19: 16 and 3; G = 5: 15 rows; head_dim 16: one chunk).
   struct Case { std::int64_t B, T, H, KV, D, start; };
   for (const Case cs : {Case{2, 37, 8, 2, 48, 5}, Case{1, 16, 4, 4, 128, 0}, Case{3, 9, 16, 2, 64, 20},

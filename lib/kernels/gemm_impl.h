@@ -172,7 +172,16 @@ static inline void store_tile(const GemmArgs& a, int64_t m0, int mr, int64_t p, 
 // past it; a short tile only at the end of x: 128 rows in 6-row tiles had
 // ended each block with a 2-row tile at ~2.5x the cost per row), each tile
 // over the whole depth.
-// Decode-sized batches (more than MaxMR rows, at most kSmallM; tiles of up to
+// Up to OneMR rows (batch-8 decode): one whole-depth tile, even where its
+// accumulators outnumber the registers. At 8 rows the kernels hold 32 of
+// them, and GCC keeps a few in L1 (a load, the multiply-add and a store per
+// k unit), which costs less than stopping the weight stream: on the AVX512-
+// BF16 EPYC the projections of a batch-8 step took 0.79-0.92x the time of
+// 6 + 2-row tiles in k blocks (vdpbf16ps, fp32 and widening kernels; at 7
+// rows 0.62-0.84x; docs/benchmarks.md, 2026-12-03 sixth session). Tiles of
+// one row more than fit are what lets the core keep asking memory while it
+// computes; every tile over the whole depth prefetches all the lines.
+// Decode-sized batches (more than OneMR rows, at most kSmallM; tiles of up to
 // SmallMR rows): every tile of a panel walks it kKBlock units at a time, so
 // the weights stream from memory once and without pause (the tiles share
 // each unit's prefetches by rows; each finds the current block in L1). Whole-depth tiles would leave
@@ -202,18 +211,28 @@ static inline void for_tiles(int64_t mb, int64_t me, Fn fn) {
   tail_tile<MaxMR - 1>(fn, m, me - m);
 }
 
-template <int MaxMR, int SmallMR = MaxMR, class Tile>
+template <int MaxMR, int SmallMR = MaxMR, int OneMR = MaxMR, class Tile>
 static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
-  if (a.M > MaxMR && a.M <= kSmallM) {
+  static_assert(OneMR >= MaxMR, "a batch that fits one prefill tile is one tile");
+  if (a.M <= OneMR) {
+    alignas(64) float acc[OneMR * kPanel];
+    for (int64_t p = a.panel_begin; p < a.panel_end; ++p)
+      for_tiles<OneMR>(0, a.M, [&](auto mr, int64_t m) {
+        tile(mr, m, p, 0, units, acc, true, Prefetch{0, kUnitLines});
+        store_tile(a, m, decltype(mr)::value, p, acc);
+      });
+    return;
+  }
+  if (a.M <= kSmallM) {
     alignas(64) float acc[kSmallM * kPanel];
     // Indexed by the tile's first row; the same for every panel and k block.
     // The lines are split by rows among the first `rows` rows: all of them,
-    // or all but a short last tile (fewer than half of SmallMR rows: 6 + 2 at
-    // batch 8), which then requests nothing. On the AVX512-BF16 EPYC that
-    // tile's own share made batch-8 decode steps 1.10-1.18x as long
-    // (vdpbf16ps and fp32 kernels; docs/benchmarks.md, 2026-12-03), while
-    // even tiles (4 + 4 on the widening kernels, 6 + 6 + 4 at batch 16)
-    // gain from sharing.
+    // or all but a short last tile (fewer than half of SmallMR rows: 6 + 6 +
+    // 2 at batch 14), which then requests nothing. On the AVX512-BF16 EPYC
+    // such a tile's own share had made batch-8 decode steps 1.10-1.18x as
+    // long when batch 8 ran 6 + 2 here (vdpbf16ps and fp32 kernels;
+    // docs/benchmarks.md, 2026-12-03), while even tiles (4 + 4 on the
+    // widening kernels, 6 + 6 + 4 at batch 16) gain from sharing.
     Prefetch share[kSmallM];
     const int64_t tail = a.M % SmallMR;
     const int64_t rows = tail > 0 && 2 * tail < SmallMR ? a.M - tail : a.M;

@@ -292,6 +292,47 @@ void rope_rows(const E* x, std::int64_t x_stride, const E* cos, const E* sin, E*
   });
 }
 
+// attention_inputs' loop. Position bt of q, k and v starts at q + bt *
+// q_stride (heads of D contiguous after it), and so on; q_norm and k_norm are
+// null without per-head norms.
+template <class E>
+struct AttentionInputs {
+  const E *q, *k, *v, *q_norm, *k_norm, *cos, *sin;
+  std::int64_t q_stride, k_stride, v_stride;
+  E *q_out, *k_cache, *v_cache;
+  std::int64_t B, T, H, KV, D, capacity, start;
+  float eps;
+};
+
+// One position's heads: norm (into a row buffer, rounded as rms_norm's
+// output), then rotary from that buffer, so the bits are those of rms_norm
+// then rope.
+template <class E>
+void attention_inputs_rows(const AttentionInputs<E>& a) {
+  const std::int64_t D = a.D;
+  at::parallel_for(0, a.B * a.T, grain(2 * kRowElementCost * (a.H + a.KV) * D), [&](std::int64_t begin, std::int64_t end) {
+    std::vector<E> normed(static_cast<std::size_t>(D));
+    auto row = [&](const E* x, const E* norm, const E* cos, const E* sin, E* out) {
+      if (norm) {
+        rms_norm_row_any(x, norm, normed.data(), D, a.eps);
+        x = normed.data();
+      }
+      rope_row_any(x, cos, sin, out, D);
+    };
+    for (std::int64_t bt = begin; bt < end; ++bt) {
+      const std::int64_t b = bt / a.T, t = bt % a.T;
+      const E *cos = a.cos + bt * D, *sin = a.sin + bt * D;
+      for (std::int64_t h = 0; h < a.H; ++h)
+        row(a.q + bt * a.q_stride + h * D, a.q_norm, cos, sin, a.q_out + (bt * a.H + h) * D);
+      for (std::int64_t h = 0; h < a.KV; ++h) {
+        const std::int64_t column = ((b * a.KV + h) * a.capacity + a.start + t) * D;
+        row(a.k + bt * a.k_stride + h * D, a.k_norm, cos, sin, a.k_cache + column);
+        std::memcpy(a.v_cache + column, a.v + bt * a.v_stride + h * D, static_cast<std::size_t>(D) * sizeof(E));
+      }
+    }
+  });
+}
+
 // The stride of t's dims [0, dims) taken as one dim (size-1 dims skipped), or
 // -1 when they are not evenly spaced. q, k and v are views into the fused
 // q/k/v projection's output, [B, T, heads, D]: their (b, t) positions are
@@ -461,6 +502,19 @@ void check_dtype(const at::Tensor& t, const char* what) {
             what);
 }
 
+// x [B, T, heads, D] as rows: a view with each position's heads contiguous
+// (q, k, v of the fused projection) is read in place, positions the returned
+// stride apart; any other layout is copied to contiguous into xc first.
+std::int64_t position_stride(const at::Tensor& x, at::Tensor& xc) {
+  const std::int64_t H = x.size(2), D = x.size(3);
+  xc = x;
+  if (x.is_contiguous()) return H * D;
+  const std::int64_t positions = collapsed_stride(x, 2);
+  if (positions >= 0 && x.stride(3) == 1 && (x.stride(2) == D || H == 1)) return positions;
+  xc = x.contiguous();
+  return H * D;
+}
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -500,15 +554,8 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   DMI_CHECK(D % 2 == 0 && cos.numel() == B * T * D && sin.numel() == B * T * D &&
                 cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
             "rope: x [B, T, H, D] with cos, sin [B, T, 1, D] of its dtype");
-  at::Tensor xc = x, cc = cos.contiguous(), sc = sin.contiguous();
-  // A view with each position's heads contiguous (q, k of the fused
-  // projection) is read in place, positions x_stride apart.
-  std::int64_t x_stride = H * D;
-  if (!x.is_contiguous()) {
-    const std::int64_t positions = collapsed_stride(x, 2);
-    if (positions >= 0 && x.stride(3) == 1 && (x.stride(2) == D || H == 1)) x_stride = positions;
-    else xc = x.contiguous();
-  }
+  at::Tensor xc, cc = cos.contiguous(), sc = sin.contiguous();
+  const std::int64_t x_stride = position_stride(x, xc);
   at::Tensor out = at::empty(x.sizes(), x.options());
   if (x.scalar_type() == at::kFloat)
     rope_rows(xc.data_ptr<float>(), x_stride, cc.data_ptr<float>(), sc.data_ptr<float>(), out.data_ptr<float>(), B, T,
@@ -539,6 +586,48 @@ void write_cache(at::Tensor& cache, const at::Tensor& x, std::int64_t start) {
                     src + static_cast<std::size_t>(b * s0 + t * s1 + h * s2) * es, row);
     }
   });
+}
+
+at::Tensor attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_norm,
+                            const at::Tensor& k_norm, double eps, const at::Tensor& cos, const at::Tensor& sin,
+                            at::Tensor& k_cache, at::Tensor& v_cache, std::int64_t start) {
+  check_dtype(q, "attention_inputs");
+  const auto dtype = q.scalar_type();
+  DMI_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
+                k.size(1) == q.size(1) && k.size(3) == q.size(3) && q.size(3) % 2 == 0 &&
+                k.scalar_type() == dtype && v.scalar_type() == dtype,
+            "attention_inputs: q [B, T, H, D], k and v [B, T, KV, D] of one dtype, D even");
+  const std::int64_t B = q.size(0), T = q.size(1), H = q.size(2), KV = k.size(2), D = q.size(3);
+  DMI_CHECK(cos.numel() == B * T * D && sin.numel() == B * T * D && cos.scalar_type() == dtype &&
+                sin.scalar_type() == dtype,
+            "attention_inputs: cos, sin must be [B, T, 1, D] of q's dtype");
+  DMI_CHECK(q_norm.defined() == k_norm.defined(), "attention_inputs: q and k are normalized both or neither");
+  DMI_CHECK(!q_norm.defined() || (q_norm.numel() == D && k_norm.numel() == D && q_norm.scalar_type() == dtype &&
+                                  k_norm.scalar_type() == dtype),
+            "attention_inputs: q and k norm weights must be [{}] of q's dtype", D);
+  for (const at::Tensor* cache : {&k_cache, &v_cache})
+    DMI_CHECK(cache->dim() == 4 && cache->is_contiguous() && cache->scalar_type() == dtype && cache->size(0) == B &&
+                  cache->size(1) == KV && cache->size(3) == D,
+              "attention_inputs: caches must be [B, KV, capacity, D] (contiguous, q's dtype)");
+  const std::int64_t capacity = k_cache.size(2);
+  DMI_CHECK(v_cache.size(2) == capacity && start >= 0 && start + T <= capacity,
+            "attention_inputs: columns [{}, {}) outside the cache's {}", start, start + T, capacity);
+  at::Tensor qc, kc, vc, cc = cos.contiguous(), sc = sin.contiguous();
+  at::Tensor qn = q_norm.defined() ? q_norm.contiguous() : q_norm, kn = k_norm.defined() ? k_norm.contiguous() : k_norm;
+  const std::int64_t q_stride = position_stride(q, qc), k_stride = position_stride(k, kc),
+                     v_stride = position_stride(v, vc);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  auto run = [&](auto tag) {
+    using E = decltype(tag);
+    auto ptr = [](const at::Tensor& t) { return t.defined() ? static_cast<E*>(t.data_ptr()) : nullptr; };
+    AttentionInputs<E> a{ptr(qc), ptr(kc), ptr(vc), ptr(qn), ptr(kn), ptr(cc), ptr(sc), q_stride, k_stride, v_stride,
+                         ptr(out), ptr(k_cache), ptr(v_cache), B, T, H, KV, D, capacity, start,
+                         static_cast<float>(eps)};
+    attention_inputs_rows(a);
+  };
+  if (dtype == at::kFloat) run(float{});
+  else run(std::uint16_t{});
+  return out;
 }
 
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {

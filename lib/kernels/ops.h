@@ -30,6 +30,19 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // strided copy took ~15 us a call at decode, more than the copying).
 void write_cache(at::Tensor& cache, const at::Tensor& x, std::int64_t start);
 
+// What attention reads, in one pass per position: q's and k's heads
+// normalized when q_norm and k_norm are given (per-head RMSNorm, Qwen3; both
+// or neither), then rotated; k's rows written into k_cache and v's into
+// v_cache at columns [start, start + T). Returns the rotated q, contiguous.
+// The bits of rms_norm, rope and write_cache in turn, without their
+// tensors in between: for a forward pass in which no HookPoint reads or
+// writes the normalized or rotated q and k. q [B, T, H, D], k and v
+// [B, T, KV, D], read in place as views of the fused projection; cos, sin
+// and the caches as for rope and write_cache.
+at::Tensor attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_norm,
+                            const at::Tensor& k_norm, double eps, const at::Tensor& cos, const at::Tensor& sin,
+                            at::Tensor& k_cache, at::Tensor& v_cache, std::int64_t start);
+
 // SwiGLU: silu(gate) rounded to the dtype, times up, rounded (HF's
 // act_fn(gate_proj(x)) * up_proj(x)).
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);

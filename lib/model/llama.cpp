@@ -143,19 +143,29 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
     hook(Site::q, i, q);
     hook(Site::k, i, k);
     hook(Site::v, i, v);
-    if (cfg_.qk_norm) {
-      q = rms_norm(q, l.q_norm);
-      k = rms_norm(k, l.k_norm);
-      hook(Site::q_normalized, i, q);
-      hook(Site::k_normalized, i, k);
+    // The normalized and rotated q and k exist as tensors only for a
+    // HookPoint that reads or writes them; otherwise one pass per position
+    // computes the same bits and writes k and v into the cache.
+    const bool qk_sites = listens(Site::q_normalized, i) || listens(Site::k_normalized, i) ||
+                          listens(Site::rot_q, i) || listens(Site::rot_k, i);
+    if (!qk_sites) {
+      // l.q_norm and l.k_norm are undefined without per-head norms.
+      q = kernels::attention_inputs(q, k, v, l.q_norm, l.k_norm, cfg_.rms_norm_eps, cos, sin, cache.k[li], cache.v[li],
+                                    in.start);
+    } else {
+      if (cfg_.qk_norm) {
+        q = rms_norm(q, l.q_norm);
+        k = rms_norm(k, l.k_norm);
+        hook(Site::q_normalized, i, q);
+        hook(Site::k_normalized, i, k);
+      }
+      q = kernels::rope(q, cos, sin);
+      k = kernels::rope(k, cos, sin);
+      hook(Site::rot_q, i, q);
+      hook(Site::rot_k, i, k);
+      kernels::write_cache(cache.k[li], k, in.start);
+      kernels::write_cache(cache.v[li], v, in.start);
     }
-    q = kernels::rope(q, cos, sin);
-    k = kernels::rope(k, cos, sin);
-    hook(Site::rot_q, i, q);
-    hook(Site::rot_k, i, k);
-
-    kernels::write_cache(cache.k[li], k, in.start);
-    kernels::write_cache(cache.v[li], v, in.start);
 
     // Grouped-query attention without repeating K/V: query head h reads KV
     // head h / G (HF's repeat_kv), straight from the cache (kernels/ops.h).

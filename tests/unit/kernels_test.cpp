@@ -292,6 +292,57 @@ TEST_CASE("ops: views of the fused q/k/v output are read in place with the bits 
                        doctest::Contains("rope: x [B, T, H, D]"), dmi::Error);
 }
 
+TEST_CASE("ops: attention_inputs has the bits of rms_norm, rope and write_cache in turn") {
+  at::manual_seed(12);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    CAPTURE(c10::toString(dtype));
+    for (std::int64_t T : {1, 5}) {
+      CAPTURE(T);
+      const std::int64_t B = 3, H = 4, KV = 2, D = 16, cap = T + 4, start = 2;
+      at::Tensor qkv = at::randn({B, T, (H + 2 * KV) * D}).to(dtype);
+      at::Tensor q = qkv.narrow(2, 0, H * D).view({B, T, H, D});
+      at::Tensor k = qkv.narrow(2, H * D, KV * D).view({B, T, KV, D});
+      at::Tensor v = qkv.narrow(2, (H + KV) * D, KV * D).view({B, T, KV, D});
+      at::Tensor qn = at::randn({D}).to(dtype), kn = at::randn({D}).to(dtype);
+      at::Tensor cos = at::randn({B, T, 1, D}).to(dtype), sin = at::randn({B, T, 1, D}).to(dtype);
+      const at::Tensor k0 = at::randn({B, KV, cap, D}).to(dtype), v0 = at::randn({B, KV, cap, D}).to(dtype);
+      for (bool norms : {true, false}) {
+        CAPTURE(norms);
+        // The separate operations, as the forward pass runs them for HookPoints.
+        at::Tensor qs = norms ? dmi::kernels::rms_norm(q, qn, 1e-6) : q;
+        at::Tensor ks = norms ? dmi::kernels::rms_norm(k, kn, 1e-6) : k;
+        qs = dmi::kernels::rope(qs, cos, sin);
+        ks = dmi::kernels::rope(ks, cos, sin);
+        at::Tensor k_want = k0.clone(), v_want = v0.clone();
+        dmi::kernels::write_cache(k_want, ks, start);
+        dmi::kernels::write_cache(v_want, v, start);
+        // Views of the fused projection read in place, and contiguous copies.
+        for (bool views : {true, false}) {
+          CAPTURE(views);
+          at::Tensor k_got = k0.clone(), v_got = v0.clone();
+          at::Tensor got = dmi::kernels::attention_inputs(
+              views ? q : q.contiguous(), views ? k : k.contiguous(), views ? v : v.contiguous(),
+              norms ? qn : at::Tensor(), norms ? kn : at::Tensor(), 1e-6, cos, sin, k_got, v_got, start);
+          CHECK(got.is_contiguous());
+          CHECK(same_bits(got, qs));
+          CHECK(same_bits(k_got, k_want));  // columns outside [start, start + T) untouched too
+          CHECK(same_bits(v_got, v_want));
+        }
+      }
+      at::Tensor kc = k0.clone(), vc = v0.clone();
+      CHECK_THROWS_WITH_AS(dmi::kernels::attention_inputs(q, k, v, qn, at::Tensor(), 1e-6, cos, sin, kc, vc, 0),
+                           doctest::Contains("both or neither"), dmi::Error);
+      CHECK_THROWS_WITH_AS(dmi::kernels::attention_inputs(q, k, v, qn, kn, 1e-6, cos, sin, kc, vc, cap - T + 1),
+                           doctest::Contains("outside the cache"), dmi::Error);
+      CHECK_THROWS_WITH_AS(dmi::kernels::attention_inputs(q, q, q, qn, kn, 1e-6, cos, sin, kc, vc, 0),
+                           doctest::Contains("caches must be [B, KV, capacity, D]"), dmi::Error);
+      CHECK_THROWS_WITH_AS(dmi::kernels::attention_inputs(q, k, v, qn, kn, 1e-6, cos.narrow(1, 0, 1).narrow(0, 0, 1),
+                                                          sin, kc, vc, 0),
+                           doctest::Contains("cos, sin must be"), dmi::Error);
+    }
+  }
+}
+
 TEST_CASE("ops: decode attention equals the matmul path and does not depend on the batch") {
   at::manual_seed(7);
   const std::int64_t B = 3, H = 8, KV = 2, G = H / KV, D = 32, cap = 40, L = 29;

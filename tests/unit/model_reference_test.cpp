@@ -71,6 +71,55 @@ Errors compare(const std::string& name, at::ScalarType dtype, const char* key) {
 
 }  // namespace
 
+namespace {
+
+// Listens to one site at every layer and changes nothing.
+struct Listener : dmi::hooks::Observer {
+  dmi::hooks::Site site;
+  explicit Listener(dmi::hooks::Site s) : site(s) {}
+  bool wants(dmi::hooks::Site s, int) const override { return s == site; }
+  void observe(dmi::hooks::Site, int, const at::Tensor&, const dmi::hooks::ForwardInfo&) override {}
+};
+
+}  // namespace
+
+TEST_CASE("forward: a listening HookPoint changes no bit of the logits (fused and separate paths agree)") {
+  using dmi::hooks::Site;
+  at::manual_seed(13);
+  for (const auto& name : dmi::test::test_model_names()) {
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      CAPTURE(name);
+      CAPTURE(c10::toString(dtype));
+      auto model = dmi::model::load_model(dmi::test::test_models_dir() + "/" + name, dtype);
+      const std::int64_t B = 2, T = 5;
+      at::Tensor ids = at::randint(0, 200, {B, T + 1}, at::kLong);
+      // Prefill of T tokens, then one decode step, with the given observer.
+      auto run = [&](dmi::hooks::Observer* obs) {
+        auto cache = model->new_cache(B, T + 1);
+        dmi::hooks::ForwardInfo info;
+        info.positions = at::arange(T, at::kLong).repeat({B, 1});
+        info.valid = at::ones({B, T}, at::kBool);
+        info.seq = {0, 1};
+        dmi::model::ForwardInput pre{ids.narrow(1, 0, T), info.positions, at::ones({B, T}, at::kBool), 0, true, &info};
+        at::Tensor a = model->forward(pre, cache, obs);
+        dmi::hooks::ForwardInfo step = info;
+        step.positions = at::full({B, 1}, T, at::kLong);
+        step.valid = at::ones({B, 1}, at::kBool);
+        step.step = 0;
+        dmi::model::ForwardInput dec{ids.narrow(1, T, 1), step.positions, at::ones({B, T + 1}, at::kBool), T, true,
+                                     &step};
+        return at::cat({a, model->forward(dec, cache, obs)}, 1);
+      };
+      const at::Tensor plain = run(nullptr);
+      for (Site s : {Site::rot_q, Site::rot_k, Site::q_normalized, Site::attn_scores}) {
+        CAPTURE(dmi::hooks::site_name(s, 0));
+        Listener listener(s);
+        CHECK(at::equal(run(&listener).contiguous().view(at::kByte), plain.contiguous().view(at::kByte)));
+      }
+    }
+  }
+}
+
 TEST_CASE("reference: fp32 logits within 1e-4 of Hugging Face semantics, all architectures") {
   for (const auto& name : dmi::test::test_model_names()) {
     CAPTURE(name);

@@ -75,8 +75,8 @@ void gemm_bf16w_avx512(const GemmArgs& a) {
 }
 
 void gemm_f32w_avx512(const GemmArgs& a) {
-  drive<6, 6, 8>(a, a.K, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
-                             Prefetch pf) {
+  drive<6, 6, 10>(a, a.K, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
+                              Prefetch pf) {
     tile_f32w<decltype(mr)::value>(a, m, p, k0, k1, acc, first, pf);
   });
 }

@@ -37,8 +37,8 @@ void tile(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, floa
 }  // namespace
 
 void gemm_bf16w_avx512bf16(const GemmArgs& a) {
-  drive<6, 6, 8>(a, a.K / 2, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc,
-                                 bool first, Prefetch pf) {
+  drive<6, 6, 10>(a, a.K / 2, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc,
+                                  bool first, Prefetch pf) {
     tile<decltype(mr)::value>(a, m, p, k0, k1, acc, first, pf);
   });
 }

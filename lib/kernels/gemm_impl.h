@@ -173,14 +173,15 @@ static inline void store_tile(const GemmArgs& a, int64_t m0, int mr, int64_t p, 
 // ended each block with a 2-row tile at ~2.5x the cost per row), each tile
 // over the whole depth.
 // Up to OneMR rows (batch-8 decode): one whole-depth tile, even where its
-// accumulators outnumber the registers. At 8 rows the kernels hold 32 of
-// them, and GCC keeps a few in L1 (a load, the multiply-add and a store per
-// k unit), which costs less than stopping the weight stream: on the AVX512-
-// BF16 EPYC the projections of a batch-8 step took 0.79-0.92x the time of
-// 6 + 2-row tiles in k blocks (vdpbf16ps, fp32 and widening kernels; at 7
-// rows 0.62-0.84x; docs/benchmarks.md, 2026-12-03 sixth session). Tiles of
-// one row more than fit are what lets the core keep asking memory while it
-// computes; every tile over the whole depth prefetches all the lines.
+// accumulators outnumber the registers. At 8 rows the AVX-512 kernels hold
+// 32 of them, and GCC keeps a few in L1 (a load, the multiply-add and a
+// store per k unit), which costs less than stopping the weight stream for a
+// short k-blocked tile: on the AVX512-BF16 EPYC the projections of a
+// batch-8 step took 0.79-0.92x the time of 6 + 2-row tiles in k blocks
+// (vdpbf16ps, fp32 and widening kernels), at 7 rows 0.62-0.84x, at 9 and 10
+// rows 0.78-0.85x (vdpbf16ps and fp32; the widening kernel, which holds
+// more, was 1.10x slower at 10). 11 rows tied, 12 took twice as long
+// (docs/benchmarks.md, 2026-12-03 sixth session).
 // Decode-sized batches (more than OneMR rows, at most kSmallM; tiles of up to
 // SmallMR rows): every tile of a panel walks it kKBlock units at a time, so
 // the weights stream from memory once and without pause (the tiles share

@@ -70,9 +70,10 @@ TEST_CASE("kernels: scalar, AVX2 and AVX-512 agree bit for bit; AVX512-BF16 with
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
     at::Tensor w = at::randn({200, 130}).to(dtype);
     PackedLinear lin({w}, {at::Tensor()}, dtype, Isa::scalar);
-    // 5 rows: one whole-depth tile; 8: one whole-depth tile with more accumulators than registers (AVX-512);
-    // 9: decode-sized k blocks; 300: row blocks of whole tiles and a short one.
-    for (std::int64_t m : {5, 8, 9, 300}) {
+    // 5 rows: one whole-depth tile; 8 and 9: one whole-depth tile with more accumulators than registers
+    // (AVX-512; 9 in k blocks on the widening kernel); 12: decode-sized k blocks; 300: row blocks of whole tiles
+    // and a short one.
+    for (std::int64_t m : {5, 8, 9, 12, 300}) {
       const at::Tensor x = at::randn({m, 130}).to(dtype);
       const at::Tensor ref = lin.run(x, Isa::scalar);
       for (Isa isa : supported()) {

@@ -309,8 +309,8 @@ struct AttentionInputs {
 // then rope.
 template <class E>
 void attention_inputs_rows(const AttentionInputs<E>& a) {
-  const std::int64_t D = a.D;
-  at::parallel_for(0, a.B * a.T, grain(2 * kRowElementCost * (a.H + a.KV) * D), [&](std::int64_t begin, std::int64_t end) {
+  const std::int64_t D = a.D, per_position = 2 * kRowElementCost * (a.H + a.KV) * D;  // a norm and a rotation
+  at::parallel_for(0, a.B * a.T, grain(per_position), [&](std::int64_t begin, std::int64_t end) {
     std::vector<E> normed(static_cast<std::size_t>(D));
     auto row = [&](const E* x, const E* norm, const E* cos, const E* sin, E* out) {
       if (norm) {

@@ -267,20 +267,21 @@ inline void values_group(float* acc, const float* pf, const uint32_t* live, int 
   __m512 a[ROWS][PIECES];
   for (int r = 0; r < ROWS; ++r)
     for (int k = 0; k < PIECES; ++k) a[r][k] = _mm512_loadu_ps(acc + (r0 + r) * D + d0 + 16 * k);
-  constexpr uint32_t all = (1u << ROWS) - 1;
+  uint32_t every = ~0u, some = 0;  // bit j: every row, some row of the group weighs key j
+  for (int r = 0; r < ROWS; ++r) every &= live[r0 + r], some |= live[r0 + r];
   for (int64_t j = 0; j < n; ++j) {
-    uint32_t group = 0;  // bit r: row r0 + r weighs key j
-    for (int r = 0; r < ROWS; ++r) group |= ((live[r0 + r] >> j) & 1u) << r;
-    if (group == 0) continue;
+    if (!((some >> j) & 1u)) continue;
     const V* vj = v + j * D + d0;
     __m512 pb[ROWS];
     for (int r = 0; r < ROWS; ++r) pb[r] = _mm512_set1_ps(pf[(r0 + r) * kBlockKeys + j]);
-    if (group == all) {
+    if ((every >> j) & 1u) {
       for (int k = 0; k < PIECES; ++k) {
         const __m512 vk = load_f32(vj + 16 * k);
         for (int r = 0; r < ROWS; ++r) a[r][k] = _mm512_add_ps(a[r][k], _mm512_mul_ps(pb[r], vk));
       }
     } else {
+      uint32_t group = 0;  // bit r: row r0 + r weighs key j
+      for (int r = 0; r < ROWS; ++r) group |= ((live[r0 + r] >> j) & 1u) << r;
       for (int k = 0; k < PIECES; ++k) {
         const __m512 vk = load_f32(vj + 16 * k);
         for (int r = 0; r < ROWS; ++r) {
@@ -326,7 +327,13 @@ void values_block_t(const E* const* p, E* const* o, int rows, const E* vb, int64
     uint32_t any = 0;
     for (int r = 0; r < rows; ++r) {
       live[r] = 0;
-      for (int64_t j = 0; j < n; ++j) {
+      int64_t j = 0;
+      for (; j + 16 <= n; j += 16) {  // a weight is live unless it is +-0 (a NaN is live)
+        const __m512 pc = load_f32(p[r] + c0 + j);
+        _mm512_store_ps(pf + r * kBlockKeys + j, pc);
+        live[r] |= static_cast<uint32_t>(_mm512_cmp_ps_mask(pc, _mm512_setzero_ps(), _CMP_NEQ_UQ)) << j;
+      }
+      for (; j < n; ++j) {
         const float pc = value(p[r], c0 + j);
         pf[r * kBlockKeys + j] = pc;
         live[r] |= static_cast<uint32_t>(pc != 0.0f) << j;
@@ -341,6 +348,165 @@ void values_block_t(const E* const* p, E* const* o, int rows, const E* vb, int64
     else groups(rows_f32(vb, c0, n, D, vw));
   }
   for (int r = 0; r < rows; ++r) store_row(o[r], acc + r * D, D);
+}
+
+// ---------------------------------------------------------------------------
+// Softmax rows: ops.cpp's softmax_row in 16-lane registers. Each lane does
+// the same operations in the same order as the portable loop's lane (the
+// maximum, the exps, the sum counted from the first unmasked column, the
+// tree, the division), multiplies and adds unfused: the same bits.
+
+// ops.cpp's fast_exp on 16 lanes: std::max(x, -87) is (-87 > x ? -87 : x),
+// vmaxps(-87, x); std::min(y, 88) is vminps(88, y) (a NaN passes as it did).
+inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
+  const __m512 shifter = _mm512_set1_ps(12582912.0f);
+  const __m512 t = _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), shifter);
+  const __m512 n = _mm512_sub_ps(t, shifter);
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000)), _mm512_set1_epi32(127)),
+      23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+// Lane j set where x[j] is -inf (one bit pattern in each dtype).
+inline __mmask16 neg_inf16(const float* x) {
+  return _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(x), _mm512_set1_epi32(static_cast<int>(0xff800000u)));
+}
+inline __mmask16 neg_inf16(const uint16_t* x) {
+  return _mm512_cmpeq_epi32_mask(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+                                 _mm512_set1_epi32(0xff80));
+}
+inline bool is_neg_inf(float v) { return v == -__builtin_inff(); }
+
+// 16 results: bf16 (rounded as to_bf16) or fp32.
+inline void store16(uint16_t* o, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(to_bf16_lanes(v)));
+}
+inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
+
+template <class E>
+void softmax_row_t(const E* x, E* o, int64_t n, float* e) {
+  const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
+  // The unmasked span [first, end), found as the portable loop finds it.
+  int64_t end = n;
+  while (end >= 16 && neg_inf16(x + end - 16) == 0xffff) end -= 16;
+  while (end > 0 && is_neg_inf(value(x, end - 1))) --end;
+  int64_t first = 0;
+  while (first + 16 <= end && neg_inf16(x + first) == 0xffff) first += 16;
+  while (first < end && is_neg_inf(value(x, first))) ++first;
+  // The maximum per lane, then across lanes in lane order (std::max's rule:
+  // vmaxps(v, m) is m < v ? v : m).
+  __m512 mv = neg_inf;
+  int64_t c = first;
+  for (; c + 16 <= end; c += 16) mv = _mm512_max_ps(load_f32(x + c), mv);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, mv);
+  for (int j = 0; c < end; ++c, ++j) lanes[j] = lanes[j] < value(x, c) ? value(x, c) : lanes[j];
+  float mx = -__builtin_inff();
+  for (int j = 0; j < 16; ++j) mx = mx < lanes[j] ? lanes[j] : mx;
+  if (is_neg_inf(mx)) mx = 0.0f;  // a fully masked row: all zeros, not NaN
+  // exp(x - max), 0 where x is -inf, and the sum in 16 lanes from `first`.
+  const __m512 mxv = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t b = first;
+  for (; b + 16 <= end; b += 16) {
+    const __m512 v = load_f32(x + b);
+    const __m512 ev = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, neg_inf, _CMP_EQ_OQ), fast_exp16(_mm512_sub_ps(v, mxv)),
+                                           _mm512_setzero_ps());
+    _mm512_storeu_ps(e + b, ev);
+    sum = _mm512_add_ps(sum, ev);
+  }
+  if (b < end) {  // the last partial block, padded with -inf (exp 0)
+    const int rest = static_cast<int>(end - b);
+    const __mmask16 live = static_cast<__mmask16>((1u << rest) - 1);
+    alignas(64) float pad[16];
+    for (int j = 0; j < 16; ++j) pad[j] = j < rest ? value(x, b + j) : -__builtin_inff();
+    const __m512 v = _mm512_load_ps(pad);
+    const __m512 ev = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, neg_inf, _CMP_EQ_OQ), fast_exp16(_mm512_sub_ps(v, mxv)),
+                                           _mm512_setzero_ps());
+    _mm512_mask_storeu_ps(e + b, live, ev);
+    sum = _mm512_mask_add_ps(sum, live, sum, ev);
+  }
+  const float total = reduce16(sum);
+  const __m512 denom = _mm512_set1_ps(total > 0.0f ? total : 1.0f);
+  for (c = 0; c < first; ++c) o[c] = E{};  // +0 in either dtype
+  c = first;
+  for (; c + 16 <= end; c += 16) store16(o + c, _mm512_div_ps(_mm512_loadu_ps(e + c), denom));
+  if (c < end) {
+    alignas(64) E tail[16];
+    store16(tail, _mm512_div_ps(_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (end - c)) - 1), e + c), denom));
+    memcpy(o + c, tail, static_cast<size_t>(end - c) * sizeof(E));
+  }
+  for (c = end; c < n; ++c) o[c] = E{};
+}
+
+// ---------------------------------------------------------------------------
+// Row operations of ops.cpp in 16-lane registers, the same operations in the
+// same order in each lane (multiplies and adds unfused, the same roundings to
+// the dtype): the same bits as rms_norm_row, rope_row and silu_mul_row.
+
+// v rounded to the dtype of E and back (ops.cpp's round_to).
+inline __m512 round_to16(__m512 v, const uint16_t*) { return _mm512_castsi512_ps(_mm512_slli_epi32(to_bf16_lanes(v), 16)); }
+inline __m512 round_to16(__m512 v, const float*) { return v; }
+
+template <class E>
+bool norm_rope_row_t(const E* x, const E* w, const E* c, const E* s, E* o, int64_t D, float eps) {
+  if (D % 32 != 0 || D / 16 > kMaxChunks) return false;
+  const int64_t chunks = D / 16, half = chunks / 2;
+  __m512 xv[kMaxChunks];
+  for (int64_t i = 0; i < chunks; ++i) xv[i] = load_f32(x + 16 * i);
+  if (w) {  // rms_norm_row: dot(x, x) in 16 lanes and the tree, then w * (x * inv rounded), rounded
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < chunks; ++i) acc = _mm512_add_ps(acc, _mm512_mul_ps(xv[i], xv[i]));
+    const float mean = reduce16(acc) / static_cast<float>(D);
+    const __m512 inv = _mm512_set1_ps(1.0f / __builtin_sqrtf(mean + eps));
+    for (int64_t i = 0; i < chunks; ++i)
+      xv[i] = round_to16(_mm512_mul_ps(load_f32(w + 16 * i), round_to16(_mm512_mul_ps(xv[i], inv), x)), x);
+  }
+  // rope_row: x * cos + rotate_half(x) * sin, each product and the sum rounded.
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  for (int64_t i = 0; i < chunks; ++i) {
+    const __m512 other = i < half ? _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(xv[i + half]),
+                                                                         _mm512_castps_si512(sign)))
+                                  : xv[i - half];
+    const __m512 a = round_to16(_mm512_mul_ps(xv[i], load_f32(c + 16 * i)), x);
+    const __m512 b = round_to16(_mm512_mul_ps(other, load_f32(s + 16 * i)), x);
+    store16(o + 16 * i, _mm512_add_ps(a, b));
+  }
+  return true;
+}
+
+// silu(g) rounded to the dtype, times u, rounded: 16 at a time, the last
+// partial block through zero-padded buffers.
+template <class E>
+inline void silu_mul16(const E* g, const E* u, E* o) {
+  const __m512 gf = load_f32(g);
+  const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gf), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  const __m512 act = round_to16(_mm512_div_ps(gf, _mm512_add_ps(_mm512_set1_ps(1.0f), fast_exp16(neg))), g);
+  store16(o, _mm512_mul_ps(act, load_f32(u)));
+}
+
+template <class E>
+void silu_mul_row_t(const E* g, const E* u, E* o, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) silu_mul16(g + i, u + i, o + i);
+  if (i < n) {
+    E gp[16] = {}, up[16] = {}, op[16];
+    memcpy(gp, g + i, static_cast<size_t>(n - i) * sizeof(E));
+    memcpy(up, u + i, static_cast<size_t>(n - i) * sizeof(E));
+    silu_mul16(gp, up, op);
+    memcpy(o + i, op, static_cast<size_t>(n - i) * sizeof(E));
+  }
 }
 
 }  // namespace
@@ -361,5 +527,17 @@ void values_block_avx512(const float* const* probs, float* const* out, int rows,
                          int64_t D, float* scratch) {
   values_block_t(probs, out, rows, values, L, D, scratch);
 }
+void softmax_row_avx512(const uint16_t* x, uint16_t* out, int64_t n, float* e) { softmax_row_t(x, out, n, e); }
+void softmax_row_avx512(const float* x, float* out, int64_t n, float* e) { softmax_row_t(x, out, n, e); }
+bool norm_rope_row_avx512(const uint16_t* x, const uint16_t* w, const uint16_t* cos, const uint16_t* sin,
+                          uint16_t* out, int64_t D, float eps) {
+  return norm_rope_row_t(x, w, cos, sin, out, D, eps);
+}
+bool norm_rope_row_avx512(const float* x, const float* w, const float* cos, const float* sin, float* out, int64_t D,
+                          float eps) {
+  return norm_rope_row_t(x, w, cos, sin, out, D, eps);
+}
+void silu_mul_row_avx512(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n) { silu_mul_row_t(g, u, out, n); }
+void silu_mul_row_avx512(const float* g, const float* u, float* out, int64_t n) { silu_mul_row_t(g, u, out, n); }
 
 }  // namespace dmi::kernels::detail

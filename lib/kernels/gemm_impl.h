@@ -132,6 +132,21 @@ void values_block_avx512(const uint16_t* const* probs, uint16_t* const* out, int
 void values_block_avx512(const float* const* probs, float* const* out, int rows, const float* values, int64_t L,
                          int64_t D, float* scratch);
 
+// One softmax row (kernels/ops.cpp's softmax_row, the same bits): e holds n floats.
+void softmax_row_avx512(const uint16_t* x, uint16_t* out, int64_t n, float* e);
+void softmax_row_avx512(const float* x, float* out, int64_t n, float* e);
+
+// One head's rotary input (kernels/ops.cpp's rms_norm_row with weight w,
+// unless w is null, then rope_row; the same bits): false when D is not a
+// multiple of 32 or over kBlockMaxD (the caller runs the row functions).
+bool norm_rope_row_avx512(const uint16_t* x, const uint16_t* w, const uint16_t* cos, const uint16_t* sin,
+                          uint16_t* out, int64_t D, float eps);
+bool norm_rope_row_avx512(const float* x, const float* w, const float* cos, const float* sin, float* out, int64_t D,
+                          float eps);
+// One SwiGLU row (kernels/ops.cpp's silu_mul_row, the same bits).
+void silu_mul_row_avx512(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n);
+void silu_mul_row_avx512(const float* g, const float* u, float* out, int64_t n);
+
 // float -> bfloat16, round to nearest even (NaN stays NaN): c10::BFloat16's rule.
 static inline uint16_t to_bf16(float f) {
   uint32_t u;

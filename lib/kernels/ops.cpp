@@ -313,6 +313,7 @@ void attention_inputs_rows(const AttentionInputs<E>& a) {
   at::parallel_for(0, a.B * a.T, grain(per_position), [&](std::int64_t begin, std::int64_t end) {
     std::vector<E> normed(static_cast<std::size_t>(D));
     auto row = [&](const E* x, const E* norm, const E* cos, const E* sin, E* out) {
+      if (has_avx512() && detail::norm_rope_row_avx512(x, norm, cos, sin, out, D, a.eps)) return;
       if (norm) {
         rms_norm_row_any(x, norm, normed.data(), D, a.eps);
         x = normed.data();
@@ -354,7 +355,10 @@ template <class E>
 void silu_mul_rows(const E* g, const E* u, E* out, std::int64_t rows, std::int64_t n, std::int64_t g_stride,
                    std::int64_t u_stride) {
   at::parallel_for(0, rows, grain(kRowElementCost * n), [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t r = begin; r < end; ++r) silu_mul_row_any(g + r * g_stride, u + r * u_stride, out + r * n, n);
+    for (std::int64_t r = begin; r < end; ++r) {
+      if (has_avx512()) detail::silu_mul_row_avx512(g + r * g_stride, u + r * u_stride, out + r * n, n);
+      else silu_mul_row_any(g + r * g_stride, u + r * u_stride, out + r * n, n);
+    }
   });
 }
 
@@ -492,7 +496,7 @@ bool fused_impl(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& v
           orow[r] = op + ((b * T + rt[r]) * H + rh[r]) * D;
         }
         detail::scores_block_avx512(qr, mr, sr, rows, kp + (b * KV + kv) * cap * D, L, D, scale, scratch);
-        for (int r = 0; r < rows; ++r) softmax_row_any(sr[r], pr[r], L, e.data());
+        for (int r = 0; r < rows; ++r) detail::softmax_row_avx512(sr[r], pr[r], L, e.data());
         detail::values_block_avx512(pr, orow, rows, vp + (b * KV + kv) * cap * D, L, D, scratch);
       });
 }

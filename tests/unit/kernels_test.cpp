@@ -5,7 +5,9 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -297,9 +299,11 @@ TEST_CASE("ops: attention_inputs has the bits of rms_norm, rope and write_cache 
   at::manual_seed(12);
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
     CAPTURE(c10::toString(dtype));
-    for (std::int64_t T : {1, 5}) {
+    // head_dim 16: the row functions; 128: the AVX-512 pass where the CPU has it.
+    for (auto [T, D] : {std::pair<std::int64_t, std::int64_t>{1, 16}, {5, 16}, {1, 128}, {5, 128}}) {
       CAPTURE(T);
-      const std::int64_t B = 3, H = 4, KV = 2, D = 16, cap = T + 4, start = 2;
+      CAPTURE(D);
+      const std::int64_t B = 3, H = 4, KV = 2, cap = T + 4, start = 2;
       at::Tensor qkv = at::randn({B, T, (H + 2 * KV) * D}).to(dtype);
       at::Tensor q = qkv.narrow(2, 0, H * D).view({B, T, H, D});
       at::Tensor k = qkv.narrow(2, H * D, KV * D).view({B, T, KV, D});
@@ -478,6 +482,52 @@ TEST_CASE("ops: prefill attention (blocks of rows, fused or not) has the portabl
       CHECK(same_bits(dmi::kernels::attention(q, keys, values, L, masked, scale), z));
       CHECK(same_bits(dmi::kernels::attention(q.narrow(1, t, 1), keys, values, L, masked.narrow(2, t, 1), scale),
                       z.narrow(1, t, 1)));
+    }
+  }
+}
+
+namespace {
+
+// ops.cpp's SwiGLU formula one element at a time, in float: silu(g) =
+// g / (1 + exp(-g)) with its Cephes exp, rounded to the dtype, times u.
+float ref_fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = x * 1.44269504088896341f + 12582912.0f;
+  const float n = t - 12582912.0f;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) p = p * r + c;
+  std::int32_t bits;
+  std::memcpy(&bits, &t, 4);
+  bits = (bits - 0x4B400000 + 127) * (1 << 23);
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return (p * r * r + r + 1.0f) * scale;
+}
+
+}  // namespace
+
+TEST_CASE("ops: SwiGLU has the bits of its formula on every path (AVX-512 rows, odd lengths)") {
+  at::manual_seed(7);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    CAPTURE(c10::toString(dtype));
+    for (std::int64_t n : {1, 15, 16, 37, 3072}) {
+      CAPTURE(n);
+      at::Tensor gu = (at::randn({3, 2 * n}) * 6).to(dtype);
+      gu.view(-1).narrow(0, 0, 1).fill_(100.0);  // exp clamped at the ends of the range
+      gu.view(-1).narrow(0, 1, 1).fill_(-100.0);
+      at::Tensor g = gu.narrow(1, 0, n), u = gu.narrow(1, n, n);
+      at::Tensor got = dmi::kernels::silu_mul(g, u).to(at::kFloat);
+      at::Tensor gf = g.to(at::kFloat).contiguous(), uf = u.to(at::kFloat).contiguous();
+      at::Tensor want = at::empty({3, n});
+      auto ga = gf.accessor<float, 2>(), ua = uf.accessor<float, 2>();
+      auto wa = want.accessor<float, 2>();
+      for (std::int64_t r = 0; r < 3; ++r)
+        for (std::int64_t i = 0; i < n; ++i) {
+          const float act = ref_round(ga[r][i] / (1.0f + ref_fast_exp(-ga[r][i])), dtype);
+          wa[r][i] = ref_round(act * ua[r][i], dtype);
+        }
+      CHECK(same_bits(got, want));
     }
   }
 }

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -381,11 +382,19 @@ bool for_head_blocks(std::int64_t B, std::int64_t T, std::int64_t H, std::int64_
   const std::int64_t G = H / KV;
   if (!has_avx512() || D % 16 != 0 || D > detail::kBlockMaxD || G > detail::kBlockRows) return false;
   const std::int64_t per = std::max<std::int64_t>(1, detail::kBlockRows / G);  // positions per block
-  const std::int64_t tblocks = (T + per - 1) / per;
-  at::parallel_for(0, B * KV * tblocks, grain(std::min(T, per) * G * L * D), [&](std::int64_t begin, std::int64_t end) {
+  const std::int64_t tblocks = (T + per - 1) / per, units = B * KV * tblocks;
+  // As many threads as at::parallel_for would start; they take blocks from a
+  // shared counter, so a thread slowed by a busy core does not leave the
+  // other waiting at the end (causal prefill blocks also differ in length).
+  // A block is computed by one thread whichever it is: the same bits.
+  const std::int64_t g = grain(std::min(T, per) * G * L * D);
+  const std::int64_t threads = std::min<std::int64_t>(at::get_num_threads(), (units + g - 1) / g);
+  std::atomic<std::int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](std::int64_t, std::int64_t) {
     std::vector<float> scratch(static_cast<std::size_t>((detail::kBlockRows + detail::kBlockKeys) * D));
     std::int64_t row_h[detail::kBlockRows], row_t[detail::kBlockRows];
-    for (std::int64_t u = begin; u < end; ++u) {
+    for (std::int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
+         u = next.fetch_add(1, std::memory_order_relaxed)) {
       const std::int64_t b = u / (KV * tblocks), kv = u / tblocks % KV, t0 = u % tblocks * per;
       int rows = 0;
       for (std::int64_t t = t0; t < std::min(T, t0 + per); ++t)

@@ -253,14 +253,13 @@ at::Tensor PackedLinear::run(const at::Tensor& x, Isa isa) const {
   const bool prefill = M > detail::kSmallM;
   const std::int64_t chunk =
       prefill ? (panels + threads - 1) / threads : std::clamp<std::int64_t>(panels / (8 * threads), 1, 8);
-  const std::int64_t least = prefill ? (panels + 4 * threads - 1) / (4 * threads) : 1;
   std::atomic<std::int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](std::int64_t, std::int64_t) {
     GemmArgs part = a;
     std::int64_t begin = next.load(std::memory_order_relaxed), size = 0;
     for (;;) {
       do {
-        size = std::clamp<std::int64_t>((panels - begin) / (2 * threads), least, chunk);
+        size = prefill ? chunk : std::clamp<std::int64_t>((panels - begin) / (2 * threads), 1, chunk);
       } while (begin < panels && !next.compare_exchange_weak(begin, begin + size, std::memory_order_relaxed));
       if (begin >= panels) break;
       part.panel_begin = begin;

@@ -451,9 +451,9 @@ void softmax_row_t(const E* x, E* o, int64_t n, float* e) {
 }
 
 // ---------------------------------------------------------------------------
-// Row operations of ops.cpp in 16-lane registers, the same operations in the
-// same order in each lane (multiplies and adds unfused, the same roundings to
-// the dtype): the same bits as rms_norm_row, rope_row and silu_mul_row.
+// q's and k's rows for attention (ops.cpp's rms_norm_row, then rope_row) in
+// 16-lane registers, the same operations in the same order in each lane
+// (multiplies and adds unfused, the same roundings to the dtype): the same bits.
 
 // v rounded to the dtype of E and back (ops.cpp's round_to).
 inline __m512 round_to16(__m512 v, const uint16_t*) { return _mm512_castsi512_ps(_mm512_slli_epi32(to_bf16_lanes(v), 16)); }
@@ -486,29 +486,6 @@ bool norm_rope_row_t(const E* x, const E* w, const E* c, const E* s, E* o, int64
   return true;
 }
 
-// silu(g) rounded to the dtype, times u, rounded: 16 at a time, the last
-// partial block through zero-padded buffers.
-template <class E>
-inline void silu_mul16(const E* g, const E* u, E* o) {
-  const __m512 gf = load_f32(g);
-  const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gf), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
-  const __m512 act = round_to16(_mm512_div_ps(gf, _mm512_add_ps(_mm512_set1_ps(1.0f), fast_exp16(neg))), g);
-  store16(o, _mm512_mul_ps(act, load_f32(u)));
-}
-
-template <class E>
-void silu_mul_row_t(const E* g, const E* u, E* o, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) silu_mul16(g + i, u + i, o + i);
-  if (i < n) {
-    E gp[16] = {}, up[16] = {}, op[16];
-    memcpy(gp, g + i, static_cast<size_t>(n - i) * sizeof(E));
-    memcpy(up, u + i, static_cast<size_t>(n - i) * sizeof(E));
-    silu_mul16(gp, up, op);
-    memcpy(o + i, op, static_cast<size_t>(n - i) * sizeof(E));
-  }
-}
-
 }  // namespace
 
 void scores_block_avx512(const uint16_t* const* q, const bool* const* masked, uint16_t* const* out, int rows,
@@ -537,7 +514,5 @@ bool norm_rope_row_avx512(const float* x, const float* w, const float* cos, cons
                           float eps) {
   return norm_rope_row_t(x, w, cos, sin, out, D, eps);
 }
-void silu_mul_row_avx512(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n) { silu_mul_row_t(g, u, out, n); }
-void silu_mul_row_avx512(const float* g, const float* u, float* out, int64_t n) { silu_mul_row_t(g, u, out, n); }
 
 }  // namespace dmi::kernels::detail

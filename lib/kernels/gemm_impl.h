@@ -143,9 +143,6 @@ bool norm_rope_row_avx512(const uint16_t* x, const uint16_t* w, const uint16_t* 
                           uint16_t* out, int64_t D, float eps);
 bool norm_rope_row_avx512(const float* x, const float* w, const float* cos, const float* sin, float* out, int64_t D,
                           float eps);
-// One SwiGLU row (kernels/ops.cpp's silu_mul_row, the same bits).
-void silu_mul_row_avx512(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n);
-void silu_mul_row_avx512(const float* g, const float* u, float* out, int64_t n);
 
 // float -> bfloat16, round to nearest even (NaN stays NaN): c10::BFloat16's rule.
 static inline uint16_t to_bf16(float f) {

@@ -356,10 +356,7 @@ template <class E>
 void silu_mul_rows(const E* g, const E* u, E* out, std::int64_t rows, std::int64_t n, std::int64_t g_stride,
                    std::int64_t u_stride) {
   at::parallel_for(0, rows, grain(kRowElementCost * n), [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t r = begin; r < end; ++r) {
-      if (has_avx512()) detail::silu_mul_row_avx512(g + r * g_stride, u + r * u_stride, out + r * n, n);
-      else silu_mul_row_any(g + r * g_stride, u + r * u_stride, out + r * n, n);
-    }
+    for (std::int64_t r = begin; r < end; ++r) silu_mul_row_any(g + r * g_stride, u + r * u_stride, out + r * n, n);
   });
 }
 

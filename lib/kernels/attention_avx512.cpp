@@ -100,6 +100,16 @@ inline __m512i to_bf16_lanes(__m512 v) {
   return _mm512_mask_blend_epi32(nan, rounded, quiet_nan);
 }
 
+// v rounded to the dtype of the pointer and back (ops.cpp's round_to).
+inline __m512 round_to16(__m512 v, const uint16_t*) { return _mm512_castsi512_ps(_mm512_slli_epi32(to_bf16_lanes(v), 16)); }
+inline __m512 round_to16(__m512 v, const float*) { return v; }
+
+// 16 results: bf16 (rounded as to_bf16) or fp32.
+inline void store16(uint16_t* o, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(to_bf16_lanes(v)));
+}
+inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
+
 // r[j] = reduce16(a[j]) for 16 vectors, with reduce16's pairs (lane l with
 // l + 8, then + 4, + 2, + 1). The result lands transposed: lane 4k + i holds
 // a[4i + k] (scores_group permutes it back).
@@ -119,8 +129,7 @@ inline __m512 reduce16x16(const __m512* a) {
 
 // 16 scores of one row: round as scores_row_avx512 does, -inf where masked.
 inline void store_scores(uint16_t* o, __m512 dots, float scale, __mmask16 masked) {
-  const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(to_bf16_lanes(dots), 16));
-  __m512i bits = to_bf16_lanes(_mm512_mul_ps(rounded, _mm512_set1_ps(scale)));
+  __m512i bits = to_bf16_lanes(_mm512_mul_ps(round_to16(dots, o), _mm512_set1_ps(scale)));
   bits = _mm512_mask_blend_epi32(masked, bits, _mm512_set1_epi32(0xff80));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(bits));
 }
@@ -128,12 +137,9 @@ inline void store_scores(float* o, __m512 dots, float scale, __mmask16 masked) {
   const __m512 v = _mm512_mul_ps(dots, _mm512_set1_ps(scale));
   _mm512_storeu_ps(o, _mm512_mask_blend_ps(masked, v, _mm512_set1_ps(-__builtin_inff())));
 }
-inline void store_row(uint16_t* o, const float* acc, int64_t D) {
-  for (int64_t d = 0; d < D; d += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), _mm512_cvtepi32_epi16(to_bf16_lanes(_mm512_loadu_ps(acc + d))));
-}
-inline void store_row(float* o, const float* acc, int64_t D) {
-  for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_loadu_ps(acc + d));
+template <class E>
+inline void store_row(E* o, const float* acc, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) store16(o + d, _mm512_loadu_ps(acc + d));
 }
 
 // Bit i set when key c0 + i is masked for this row (bool bytes).
@@ -388,12 +394,6 @@ inline __mmask16 neg_inf16(const uint16_t* x) {
 }
 inline bool is_neg_inf(float v) { return v == -__builtin_inff(); }
 
-// 16 results: bf16 (rounded as to_bf16) or fp32.
-inline void store16(uint16_t* o, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(to_bf16_lanes(v)));
-}
-inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
-
 template <class E>
 void softmax_row_t(const E* x, E* o, int64_t n, float* e) {
   const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
@@ -454,10 +454,6 @@ void softmax_row_t(const E* x, E* o, int64_t n, float* e) {
 // q's and k's rows for attention (ops.cpp's rms_norm_row, then rope_row) in
 // 16-lane registers, the same operations in the same order in each lane
 // (multiplies and adds unfused, the same roundings to the dtype): the same bits.
-
-// v rounded to the dtype of E and back (ops.cpp's round_to).
-inline __m512 round_to16(__m512 v, const uint16_t*) { return _mm512_castsi512_ps(_mm512_slli_epi32(to_bf16_lanes(v), 16)); }
-inline __m512 round_to16(__m512 v, const float*) { return v; }
 
 template <class E>
 bool norm_rope_row_t(const E* x, const E* w, const E* c, const E* s, E* o, int64_t D, float eps) {

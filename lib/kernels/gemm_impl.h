@@ -224,12 +224,38 @@ static inline void for_tiles(int64_t mb, int64_t me, Fn fn) {
   tail_tile<MaxMR - 1>(fn, m, me - m);
 }
 
-template <int MaxMR, int SmallMR = MaxMR, int OneMR = MaxMR, class Tile>
-static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
+// One or two rows (batch-1 decode) on the AVX-512 kernels: a tile takes two
+// neighbouring panels at once (`wide` in drive()), 8 or 16 accumulators. With
+// one panel, each accumulator's multiply-adds wait on its previous one (four
+// chains; the widening kernel adds two FMAs per k pair to each), and that
+// latency showed through the weight stream in the model, though not in a
+// projection alone. Batch-1 steps with two panels against one (Zen 5 EPYC,
+// alternating runs; docs/benchmarks.md, 2026-12-04 second session): the
+// widening kernel 0.89-0.97x the time in 7 of 7 rounds; vdpbf16ps 0.91-1.00x
+// in 4 of 4 with a switch in one binary, but 1.02-1.18x in 4 rounds against
+// the previous binary in a slow stretch; fp32 0.90-1.09x, faster in 3 of 4.
+// Each output keeps its one accumulator and order: the same bits as one-panel
+// tiles. Decode-sized chunks that leave a single panel take the one-panel tile.
+constexpr int kWideMR = 2;
+
+template <int MaxMR, int SmallMR = MaxMR, int OneMR = MaxMR, int WideMR = 0, class Tile, class Wide = decltype(nullptr)>
+static inline void drive(const GemmArgs& a, int64_t units, Tile tile, Wide wide = nullptr) {
   static_assert(OneMR >= MaxMR, "a batch that fits one prefill tile is one tile");
+  static_assert(2 * WideMR <= OneMR, "two panels of a wide tile fit the accumulator buffer");
   if (a.M <= OneMR) {
     alignas(64) float acc[OneMR * kPanel];
-    for (int64_t p = a.panel_begin; p < a.panel_end; ++p)
+    int64_t p = a.panel_begin;
+    if constexpr (WideMR > 0) {
+      if (a.M <= WideMR)
+        for (; p + 2 <= a.panel_end; p += 2)
+          for_tiles<WideMR>(0, a.M, [&](auto mr, int64_t m) {
+            constexpr int MR = decltype(mr)::value;
+            wide(mr, m, p, acc);
+            store_tile(a, m, MR, p, acc);
+            store_tile(a, m, MR, p + 1, acc + MR * kPanel);
+          });
+    }
+    for (; p < a.panel_end; ++p)
       for_tiles<OneMR>(0, a.M, [&](auto mr, int64_t m) {
         tile(mr, m, p, 0, units, acc, true, Prefetch{0, kUnitLines});
         store_tile(a, m, decltype(mr)::value, p, acc);

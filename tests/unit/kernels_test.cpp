@@ -109,6 +109,28 @@ TEST_CASE("kernels: a row's result does not depend on the batch (sizes 1, 3, 8, 
   }
 }
 
+TEST_CASE("kernels: one and two rows, two panels per tile, have the bits of one-panel tiles and of scalar") {
+  // 18 panels (the last 2 columns wide) on one thread: decode-sized chunks of 2 panels, then single panels at the
+  // end, so both the two-panel tiles of 1 and 2 rows (AVX-512) and the one-panel tile run.
+  at::manual_seed(6);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    at::Tensor w = at::randn({1090, 130}).to(dtype), b = at::randn({1090}).to(dtype);
+    PackedLinear lin({w}, {b}, dtype, Isa::scalar);
+    const at::Tensor x = at::randn({5, 130}).to(dtype);
+    const at::Tensor ref = lin.run(x, Isa::scalar);
+    for (Isa isa : supported()) {
+      CAPTURE(dmi::kernels::isa_name(isa));
+      CAPTURE(c10::toString(dtype));
+      const at::Tensor five = lin.run(x, isa);  // one 5-row tile per panel
+      if (!(isa == Isa::avx512_bf16 && dtype == at::kBFloat16)) CHECK(same_bits(five, ref));
+      for (std::int64_t m : {1, 2}) {
+        CAPTURE(m);
+        for (std::int64_t r = 0; r + m <= 5; r += m) CHECK(same_bits(lin.run(x.narrow(0, r, m), isa), five.narrow(0, r, m)));
+      }
+    }
+  }
+}
+
 TEST_CASE("kernels: fused projections equal the separate ones; leading dims kept; bad input named") {
   at::manual_seed(4);
   const auto isa = dmi::kernels::detect_isa();

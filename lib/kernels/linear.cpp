@@ -240,8 +240,16 @@ at::Tensor PackedLinear::run(const at::Tensor& x, Isa isa) const {
   const std::int64_t panels = (n_ + kPanel - 1) / kPanel;
   const std::int64_t threads =
       std::clamp<std::int64_t>(M * n_ * k_ / kMinWork, 1, std::min<std::int64_t>(at::get_num_threads(), panels));
-  // Prefill-sized inputs keep one contiguous share per thread: each x row
-  // block is then reused across all of a thread's panels while it is in cache.
+  // Prefill-sized inputs are cut into units of kPrefillRows rows x a quarter
+  // (with 2 threads) of the panels, taken in row order from a shared counter:
+  // both threads work on the same rows at a time, each x row block stays in
+  // cache across a thread's units, and every panel still streams once per
+  // row block, as with one contiguous half per thread. A thread slowed by a
+  // busy core then takes fewer units instead of holding the other at the end
+  // (the fixed halves left one thread waiting for 3.0-4.9 % of the prefill
+  // projections' time on a quiet Zen 5; docs/benchmarks.md, 2026-12-04
+  // second session). 120 rows are whole tiles of every kernel (1, 2, 4, 6
+  // and 8 rows), so only the last unit of x can end in a short tile.
   // Decode-sized chunks are at most 8 panels (1 MiB of a 1024-deep bf16
   // matrix): the LM head's 2374 panels in 16 chunks had left one thread up to
   // ~1 ms behind the other at the end. They shrink towards the end (a share
@@ -250,16 +258,34 @@ at::Tensor PackedLinear::run(const at::Tensor& x, Isa isa) const {
   // one thread waiting 1.6 ms in all at batch 8 and 1.4 ms at batch 1 with
   // fixed chunks, 1.0 and 0.7 ms so (docs/benchmarks.md, 2026-12-03 fifth
   // session).
-  const bool prefill = M > detail::kSmallM;
-  const std::int64_t chunk =
-      prefill ? (panels + threads - 1) / threads : std::clamp<std::int64_t>(panels / (8 * threads), 1, 8);
   std::atomic<std::int64_t> next{0};
+  if (M > detail::kSmallM) {
+    constexpr std::int64_t kPrefillRows = 120;
+    const std::int64_t chunk = (panels + 2 * threads - 1) / (2 * threads);
+    const std::int64_t per_rows = (panels + chunk - 1) / chunk;
+    const std::int64_t units = (M + kPrefillRows - 1) / kPrefillRows * per_rows;
+    const std::int64_t x_bytes = dot ? 2 : 4, y_bytes = bf16 ? 2 : 4;
+    at::parallel_for(0, threads, 1, [&](std::int64_t, std::int64_t) {
+      GemmArgs part = a;
+      for (std::int64_t u = next++; u < units; u = next++) {
+        const std::int64_t m0 = u / per_rows * kPrefillRows, c = u % per_rows;
+        part.M = std::min(kPrefillRows, M - m0);
+        part.x = static_cast<const char*>(a.x) + m0 * a.x_stride * x_bytes;
+        part.y = static_cast<char*>(a.y) + m0 * a.y_stride * y_bytes;
+        part.panel_begin = c * chunk;
+        part.panel_end = std::min(panels, part.panel_begin + chunk);
+        fn(part);
+      }
+    });
+    return y.view(sizes);
+  }
+  const std::int64_t chunk = std::clamp<std::int64_t>(panels / (8 * threads), 1, 8);
   at::parallel_for(0, threads, 1, [&](std::int64_t, std::int64_t) {
     GemmArgs part = a;
     std::int64_t begin = next.load(std::memory_order_relaxed), size = 0;
     for (;;) {
       do {
-        size = prefill ? chunk : std::clamp<std::int64_t>((panels - begin) / (2 * threads), 1, chunk);
+        size = std::clamp<std::int64_t>((panels - begin) / (2 * threads), 1, chunk);
       } while (begin < panels && !next.compare_exchange_weak(begin, begin + size, std::memory_order_relaxed));
       if (begin >= panels) break;
       part.panel_begin = begin;

@@ -279,13 +279,18 @@ at::Tensor PackedLinear::run(const at::Tensor& x, Isa isa) const {
     });
     return y.view(sizes);
   }
-  const std::int64_t chunk = std::clamp<std::int64_t>(panels / (8 * threads), 1, 8);
+  // One or two rows take two panels per tile (gemm_impl.h, kWideMR), so
+  // their chunks are at least two panels: with single-panel chunks the
+  // 16-panel o and down projections of the Qwen3-0.6B shape, a third of
+  // the weights, had run one-panel tiles only.
+  const std::int64_t least = M <= detail::kWideMR ? 2 : 1;
+  const std::int64_t chunk = std::clamp<std::int64_t>(panels / (8 * threads), least, 8);
   at::parallel_for(0, threads, 1, [&](std::int64_t, std::int64_t) {
     GemmArgs part = a;
     std::int64_t begin = next.load(std::memory_order_relaxed), size = 0;
     for (;;) {
       do {
-        size = std::clamp<std::int64_t>((panels - begin) / (2 * threads), 1, chunk);
+        size = std::clamp<std::int64_t>((panels - begin) / (2 * threads), least, chunk);
       } while (begin < panels && !next.compare_exchange_weak(begin, begin + size, std::memory_order_relaxed));
       if (begin >= panels) break;
       part.panel_begin = begin;

@@ -183,7 +183,8 @@ static inline void store_tile(const GemmArgs& a, int64_t m0, int mr, int64_t p, 
 // MaxMR-row tiles (the block's x stays in L2 while the thread's panels stream
 // past it; a short tile only at the end of x: 128 rows in 6-row tiles had
 // ended each block with a 2-row tile at ~2.5x the cost per row), each tile
-// over the whole depth.
+// over the whole depth. PackedLinear::run calls with 120-row units (whole
+// tiles of every kernel): one block each.
 // Up to OneMR rows (batch-8 decode): one whole-depth tile, even where its
 // accumulators outnumber the registers. At 8 rows the AVX-512 kernels hold
 // 32 of them, and GCC keeps a few in L1 (a load, the multiply-add and a

@@ -61,7 +61,7 @@ void strip_f32w(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, in
 }  // namespace
 
 void gemm_bf16w_avx2(const GemmArgs& a) {
-  drive<2>(a, a.K / 2, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
+  drive<2>(a, a.K / 2, [&](auto mr, auto, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
                       Prefetch pf) {
     constexpr int MR = decltype(mr)::value;
     if constexpr (MR == 1) {
@@ -75,7 +75,7 @@ void gemm_bf16w_avx2(const GemmArgs& a) {
 }
 
 void gemm_f32w_avx2(const GemmArgs& a) {
-  drive<2>(a, a.K, [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
+  drive<2>(a, a.K, [&](auto mr, auto, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
                       Prefetch pf) {
     constexpr int MR = decltype(mr)::value;
     if constexpr (MR == 1) {

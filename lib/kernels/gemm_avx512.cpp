@@ -88,22 +88,16 @@ void tile_f32w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1,
 void gemm_bf16w_avx512(const GemmArgs& a) {
   drive<6, 4, 8, kWideMR>(
       a, a.K / 2,
-      [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first, Prefetch pf) {
-        tile_bf16w<decltype(mr)::value>(a, m, p, k0, k1, acc, first, pf);
-      },
-      [&](auto mr, int64_t m, int64_t p, float* acc) {
-        tile_bf16w<decltype(mr)::value, 2>(a, m, p, 0, a.K / 2, acc, true, Prefetch{0, kUnitLines});
+      [&](auto mr, auto np, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first, Prefetch pf) {
+        tile_bf16w<decltype(mr)::value, decltype(np)::value>(a, m, p, k0, k1, acc, first, pf);
       });
 }
 
 void gemm_f32w_avx512(const GemmArgs& a) {
   drive<6, 6, 10, kWideMR>(
       a, a.K,
-      [&](auto mr, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first, Prefetch pf) {
-        tile_f32w<decltype(mr)::value>(a, m, p, k0, k1, acc, first, pf);
-      },
-      [&](auto mr, int64_t m, int64_t p, float* acc) {
-        tile_f32w<decltype(mr)::value, 2>(a, m, p, 0, a.K, acc, true, Prefetch{0, kUnitLines});
+      [&](auto mr, auto np, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first, Prefetch pf) {
+        tile_f32w<decltype(mr)::value, decltype(np)::value>(a, m, p, k0, k1, acc, first, pf);
       });
 }
 

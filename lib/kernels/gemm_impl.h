@@ -172,10 +172,12 @@ static inline void store_tile(const GemmArgs& a, int64_t m0, int mr, int64_t p, 
   }
 }
 
-// A tile computes rows [m0, m0 + MR) of panel p over k units [k0, k1) (bf16
-// pairs, or fp32 k): tile(Int<MR>{}, m0, p, k0, k1, acc, first), where acc
-// holds the tile's MR x 64 accumulators (row r at acc + 64 r), read unless
-// first (then zero) and written back. Summing over k in order across calls
+// A tile computes rows [m0, m0 + MR) of panels [p, p + NP) over k units
+// [k0, k1) (bf16 pairs, or fp32 k): tile(Int<MR>{}, Int<NP>{}, m0, p, k0, k1,
+// acc, first, prefetch), where acc holds the tile's NP x MR x 64
+// accumulators (panel q's row r at acc + 64 (q MR + r)), read unless first
+// (then zero) and written back. NP is 1 except for the two-panel tiles of
+// kernels with WideMR > 0 (below). Summing over k in order across calls
 // keeps each output's one accumulator and one order: the same bits however
 // k is split.
 //
@@ -226,7 +228,7 @@ static inline void for_tiles(int64_t mb, int64_t me, Fn fn) {
 }
 
 // One or two rows (batch-1 decode) on the AVX-512 kernels: a tile takes two
-// neighbouring panels at once (`wide` in drive()), 8 or 16 accumulators. With
+// neighbouring panels at once (NP = 2 in drive()), 8 or 16 accumulators. With
 // one panel, each accumulator's multiply-adds wait on its previous one (four
 // chains; the widening kernel adds two FMAs per k pair to each), and that
 // latency showed through the weight stream in the model, though not in a
@@ -239,8 +241,8 @@ static inline void for_tiles(int64_t mb, int64_t me, Fn fn) {
 // tiles. Decode-sized chunks that leave a single panel take the one-panel tile.
 constexpr int kWideMR = 2;
 
-template <int MaxMR, int SmallMR = MaxMR, int OneMR = MaxMR, int WideMR = 0, class Tile, class Wide = decltype(nullptr)>
-static inline void drive(const GemmArgs& a, int64_t units, Tile tile, Wide wide = nullptr) {
+template <int MaxMR, int SmallMR = MaxMR, int OneMR = MaxMR, int WideMR = 0, class Tile>
+static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
   static_assert(OneMR >= MaxMR, "a batch that fits one prefill tile is one tile");
   static_assert(2 * WideMR <= OneMR, "two panels of a wide tile fit the accumulator buffer");
   if (a.M <= OneMR) {
@@ -251,14 +253,14 @@ static inline void drive(const GemmArgs& a, int64_t units, Tile tile, Wide wide 
         for (; p + 2 <= a.panel_end; p += 2)
           for_tiles<WideMR>(0, a.M, [&](auto mr, int64_t m) {
             constexpr int MR = decltype(mr)::value;
-            wide(mr, m, p, acc);
+            tile(mr, Int<2>{}, m, p, 0, units, acc, true, Prefetch{0, kUnitLines});
             store_tile(a, m, MR, p, acc);
             store_tile(a, m, MR, p + 1, acc + MR * kPanel);
           });
     }
     for (; p < a.panel_end; ++p)
       for_tiles<OneMR>(0, a.M, [&](auto mr, int64_t m) {
-        tile(mr, m, p, 0, units, acc, true, Prefetch{0, kUnitLines});
+        tile(mr, Int<1>{}, m, p, 0, units, acc, true, Prefetch{0, kUnitLines});
         store_tile(a, m, decltype(mr)::value, p, acc);
       });
     return;
@@ -284,7 +286,7 @@ static inline void drive(const GemmArgs& a, int64_t units, Tile tile, Wide wide 
       for (int64_t k0 = 0; k0 < units; k0 += kKBlock) {
         const int64_t k1 = units < k0 + kKBlock ? units : k0 + kKBlock;
         for_tiles<SmallMR>(0, a.M,
-                         [&](auto mr, int64_t m) { tile(mr, m, p, k0, k1, acc + m * kPanel, k0 == 0, share[m]); });
+                         [&](auto mr, int64_t m) { tile(mr, Int<1>{}, m, p, k0, k1, acc + m * kPanel, k0 == 0, share[m]); });
       }
       store_tile(a, 0, static_cast<int>(a.M), p, acc);
     }
@@ -298,7 +300,7 @@ static inline void drive(const GemmArgs& a, int64_t units, Tile tile, Wide wide 
     const int64_t me = a.M < mb + block ? a.M : mb + block;
     for (int64_t p = a.panel_begin; p < a.panel_end; ++p)
       for_tiles<MaxMR>(mb, me, [&](auto mr, int64_t m) {
-        tile(mr, m, p, 0, units, acc, true, m == mb ? Prefetch{0, kUnitLines} : Prefetch{});
+        tile(mr, Int<1>{}, m, p, 0, units, acc, true, m == mb ? Prefetch{0, kUnitLines} : Prefetch{});
         store_tile(a, m, decltype(mr)::value, p, acc);
       });
   }

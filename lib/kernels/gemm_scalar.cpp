@@ -18,7 +18,7 @@ float bf16_to_float(uint16_t h) {
 }  // namespace
 
 void gemm_bf16w_scalar(const GemmArgs& a) {
-  drive<1>(a, a.K / 2, [&](auto, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first, Prefetch) {
+  drive<1>(a, a.K / 2, [&](auto, auto, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first, Prefetch) {
     const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel;
     const float* x = static_cast<const float*>(a.x) + m * a.x_stride;
     if (first) memset(acc, 0, sizeof(float) * kPanel);
@@ -32,7 +32,7 @@ void gemm_bf16w_scalar(const GemmArgs& a) {
 }
 
 void gemm_f32w_scalar(const GemmArgs& a) {
-  drive<1>(a, a.K, [&](auto, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first, Prefetch) {
+  drive<1>(a, a.K, [&](auto, auto, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first, Prefetch) {
     const float* w = static_cast<const float*>(a.w) + p * a.K * kPanel;
     const float* x = static_cast<const float*>(a.x) + m * a.x_stride;
     if (first) memset(acc, 0, sizeof(float) * kPanel);

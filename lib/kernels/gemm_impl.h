@@ -285,8 +285,9 @@ static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
     for (int64_t p = a.panel_begin; p < a.panel_end; ++p) {
       for (int64_t k0 = 0; k0 < units; k0 += kKBlock) {
         const int64_t k1 = units < k0 + kKBlock ? units : k0 + kKBlock;
-        for_tiles<SmallMR>(0, a.M,
-                         [&](auto mr, int64_t m) { tile(mr, Int<1>{}, m, p, k0, k1, acc + m * kPanel, k0 == 0, share[m]); });
+        for_tiles<SmallMR>(0, a.M, [&](auto mr, int64_t m) {
+          tile(mr, Int<1>{}, m, p, k0, k1, acc + m * kPanel, k0 == 0, share[m]);
+        });
       }
       store_tile(a, 0, static_cast<int>(a.M), p, acc);
     }

@@ -126,7 +126,8 @@ TEST_CASE("kernels: one and two rows, two panels per tile, have the bits of one-
       if (!(isa == Isa::avx512_bf16 && dtype == at::kBFloat16)) CHECK(same_bits(five, ref));
       for (std::int64_t m : {1, 2}) {
         CAPTURE(m);
-        for (std::int64_t r = 0; r + m <= 5; r += m) CHECK(same_bits(lin.run(x.narrow(0, r, m), isa), five.narrow(0, r, m)));
+        for (std::int64_t r = 0; r + m <= 5; r += m)
+          CHECK(same_bits(lin.run(x.narrow(0, r, m), isa), five.narrow(0, r, m)));
       }
     }
   }

@@ -264,7 +264,7 @@ at::Tensor PackedLinear::run(const at::Tensor& x, Isa isa) const {
     const std::int64_t chunk = (panels + 2 * threads - 1) / (2 * threads);
     const std::int64_t per_rows = (panels + chunk - 1) / chunk;
     const std::int64_t units = (M + kPrefillRows - 1) / kPrefillRows * per_rows;
-    const std::int64_t x_bytes = dot ? 2 : 4, y_bytes = bf16 ? 2 : 4;
+    const std::int64_t x_bytes = xin.element_size(), y_bytes = y.element_size();
     at::parallel_for(0, threads, 1, [&](std::int64_t, std::int64_t) {
       GemmArgs part = a;
       for (std::int64_t u = next++; u < units; u = next++) {

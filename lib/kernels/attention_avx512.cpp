@@ -482,6 +482,223 @@ bool norm_rope_row_t(const E* x, const E* w, const E* c, const E* s, E* o, int64
   return true;
 }
 
+
+// ---------------------------------------------------------------------------
+// Many rows of one KV head (prefill: up to kManyRows rows, the query heads of
+// consecutive positions): scores, softmax and values in one call. Each key
+// chunk is widened and transposed once for all the rows, so a score tile
+// needs no horizontal sums: lanes are keys.
+
+// kt[d][j] = key c0 + j, element d, in fp32 (j < 16; zero past n): 16 keys
+// transposed in 16 x 16 blocks (unpack, shuffle within 128-bit quarters,
+// then across quarters).
+template <class E>
+inline void transpose_keys(const E* kb, int64_t c0, int n, int64_t D, float* kt) {
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    __m512 r[16], t[16];
+    for (int j = 0; j < 16; ++j) r[j] = j < n ? load_f32(kb + (c0 + j) * D + d0) : _mm512_setzero_ps();
+    for (int i = 0; i < 8; ++i) {  // per quarter q: rows 2i, 2i + 1 at columns 4q, 4q + 1 (lo) or 4q + 2, 4q + 3 (hi)
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; ++g) {  // r[4g + c], quarter q: rows 4g..4g + 3 at column 4q + c
+      r[4 * g] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+      r[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xee);
+      r[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+      r[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xee);
+    }
+    for (int c = 0; c < 4; ++c) {  // column 4q + c: quarter q of r[c], r[4 + c], r[8 + c], r[12 + c]
+      const __m512 lo02 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);  // quarters 0, 2 of rows 0-7
+      const __m512 hi02 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+      const __m512 lo13 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xdd);  // quarters 1, 3
+      const __m512 hi13 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xdd);
+      _mm512_storeu_ps(kt + (d0 + c) * 16, _mm512_shuffle_f32x4(lo02, hi02, 0x88));
+      _mm512_storeu_ps(kt + (d0 + 8 + c) * 16, _mm512_shuffle_f32x4(lo02, hi02, 0xdd));
+      _mm512_storeu_ps(kt + (d0 + 4 + c) * 16, _mm512_shuffle_f32x4(lo13, hi13, 0x88));
+      _mm512_storeu_ps(kt + (d0 + 12 + c) * 16, _mm512_shuffle_f32x4(lo13, hi13, 0xdd));
+    }
+  }
+}
+
+// Lanes P, P + 8, P + 4 and P + 12 of the 16-lane dot products of ROWS q rows
+// (qw: fp32, D apart) with 16 keys (kt), each lane summed over the chunks in
+// order, q * k then +, unfused: dot()'s lanes, here one vector per lane with
+// a key in each element. Returns, per row, (lane P + lane P + 8) + (lane
+// P + 4 + lane P + 12): the tree's sum s4[P].
+template <int ROWS, int P>
+inline void dot_lanes(const float* qw, const float* kt, int64_t D, __m512* s4) {
+  __m512 a0[ROWS], a1[ROWS], a2[ROWS], a3[ROWS];
+  for (int r = 0; r < ROWS; ++r) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 16) {
+    const __m512 k0 = _mm512_loadu_ps(kt + (i + P) * 16), k1 = _mm512_loadu_ps(kt + (i + P + 8) * 16);
+    const __m512 k2 = _mm512_loadu_ps(kt + (i + P + 4) * 16), k3 = _mm512_loadu_ps(kt + (i + P + 12) * 16);
+    for (int r = 0; r < ROWS; ++r) {
+      const float* q = qw + r * D + i + P;
+      a0[r] = _mm512_add_ps(a0[r], _mm512_mul_ps(_mm512_set1_ps(q[0]), k0));
+      a1[r] = _mm512_add_ps(a1[r], _mm512_mul_ps(_mm512_set1_ps(q[8]), k1));
+      a2[r] = _mm512_add_ps(a2[r], _mm512_mul_ps(_mm512_set1_ps(q[4]), k2));
+      a3[r] = _mm512_add_ps(a3[r], _mm512_mul_ps(_mm512_set1_ps(q[12]), k3));
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) s4[r] = _mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(a2[r], a3[r]));
+}
+
+// The 16 scores of rows [r0, r0 + ROWS) against the transposed keys: s2 =
+// s4[0] + s4[2] and s4[1] + s4[3], then their sum (reduce16's tree), rounded
+// and scaled as scores_row_avx512 does, -inf where masked; n keys stored.
+template <int ROWS, class E>
+inline void scores_tile(const float* qw, const float* kt, const __mmask16* masked, int64_t D, float scale,
+                        E* const* o, int64_t c0, int n) {
+  __m512 s0[ROWS], s1[ROWS], s2[ROWS], s3[ROWS];
+  dot_lanes<ROWS, 0>(qw, kt, D, s0);
+  dot_lanes<ROWS, 2>(qw, kt, D, s2);
+  dot_lanes<ROWS, 1>(qw, kt, D, s1);
+  dot_lanes<ROWS, 3>(qw, kt, D, s3);
+  for (int r = 0; r < ROWS; ++r) {
+    const __m512 dots = _mm512_add_ps(_mm512_add_ps(s0[r], s2[r]), _mm512_add_ps(s1[r], s3[r]));
+    if (n == 16) {
+      store_scores(o[r] + c0, dots, scale, masked[r]);
+    } else {
+      alignas(64) E lanes[16];
+      store_scores(lanes, dots, scale, masked[r]);
+      memcpy(o[r] + c0, lanes, static_cast<size_t>(n) * sizeof(E));
+    }
+  }
+}
+
+// The keys each group of rows (for_groups' groups) reads: up to the last
+// key that any of its rows does not mask (0 when all are masked), given as
+// fn(group, r0, end). Past it the group's scores are -inf, its weights 0:
+// not computed, not read.
+template <class Fn>
+inline void for_group_ends(const bool* const* m, int rows, int64_t L, Fn fn) {
+  for_groups(rows, [&](auto g, int r0) {
+    int64_t end = 0;
+    for (int r = r0; r < r0 + decltype(g)::value; ++r) {
+      int64_t c = L;
+      while (c >= 64 + end && _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(m[r] + c - 64),
+                                                        _mm512_set1_epi32(0x01010101)) == 0)  // 64 masked
+        c -= 64;
+      while (c > end && m[r][c - 1]) --c;
+      end = c;
+    }
+    fn(g, r0, end);
+  });
+}
+
+// Scores of `rows` rows against keys [0, ends[r]) (the end of row r's
+// group, the same for each of its rows), the
+// chunk that holds the last of them written whole: 16 keys at a time,
+// transposed once, then tiles of 4 rows (2 and 1 for the rest); a tile whose
+// every score is masked writes -inf and computes nothing. The row
+// functions' bits.
+template <class E>
+void scores_many_t(const E* const* q, const bool* const* m, E* const* o, int rows, const int64_t* ends,
+                   const E* kb, int64_t L, int64_t D, float scale, float* qw, float* kt) {
+  int64_t last = 0;
+  for (int r = 0; r < rows; ++r) last = ends[r] > last ? ends[r] : last;
+  for (int r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(qw + r * D + d, load_f32(q[r] + d));
+  for (int64_t c0 = 0; c0 < last; c0 += 16) {
+    const int n = L - c0 < 16 ? static_cast<int>(L - c0) : 16;
+    const __mmask16 all = static_cast<__mmask16>((1u << n) - 1);
+    bool transposed = false;
+    for_groups(rows, [&](auto g, int r0) {
+      constexpr int ROWS = decltype(g)::value;
+      if (ends[r0] <= c0) return;
+      __mmask16 masked[ROWS];
+      bool any = false;
+      for (int r = 0; r < ROWS; ++r) {
+        const bool* mr = m[r0 + r] + c0;
+        if (n == 16) {
+          masked[r] = masked16(mr);
+        } else {
+          masked[r] = 0;
+          for (int j = 0; j < n; ++j) masked[r] = static_cast<__mmask16>(masked[r] | (mr[j] ? 1u << j : 0u));
+        }
+        any = any || masked[r] != all;
+      }
+      if (!any) {
+        for (int r = 0; r < ROWS; ++r) fill_neg_inf(o[r0 + r] + c0, n);
+        return;
+      }
+      if (!transposed) transpose_keys(kb, c0, n, D, kt), transposed = true;
+      scores_tile<ROWS>(qw + r0 * D, kt, masked, D, scale, o + r0, c0, n);
+    });
+  }
+}
+
+// Values of `rows` rows (weights p, [rows][L]) over keys [0, ends[r]) (as
+// for scores_many_t): kBlockKeys keys at a time, widened once for all the rows
+// (bf16), then each group of 4 rows (2 and 1 for the rest) adds p * v into
+// its accumulators in acc ([rows][D]) with values_rows, skipping keys that no
+// row of the group weighs. A row's weights are read to the end of the
+// kBlockKeys chunk that holds its group's end. values_row's bits.
+template <class E>
+void values_many_t(const E* const* p, E* const* o, int rows, const int64_t* ends, const E* vb, int64_t L, int64_t D,
+                   float* acc, float* vw) {
+  int64_t last = 0;
+  for (int r = 0; r < rows; ++r) last = ends[r] > last ? ends[r] : last;
+  for (int64_t i = 0; i < rows * D; ++i) acc[i] = 0.0f;
+  for (int64_t c0 = 0; c0 < last; c0 += kBlockKeys) {
+    const int64_t n = L - c0 < kBlockKeys ? L - c0 : kBlockKeys;
+    const float* v = nullptr;  // the chunk's values in fp32, once a group weighs them
+    for_groups(rows, [&](auto g, int r0) {
+      constexpr int ROWS = decltype(g)::value;
+      if (ends[r0] <= c0) return;
+      alignas(64) float pf[ROWS * kBlockKeys];
+      uint32_t live[ROWS], any = 0;
+      for (int r = 0; r < ROWS; ++r) {
+        const E* pr = p[r0 + r] + c0;
+        live[r] = 0;
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {  // a weight is live unless it is +-0 (a NaN is live)
+          const __m512 pc = load_f32(pr + j);
+          _mm512_store_ps(pf + r * kBlockKeys + j, pc);
+          live[r] |= static_cast<uint32_t>(_mm512_cmp_ps_mask(pc, _mm512_setzero_ps(), _CMP_NEQ_UQ)) << j;
+        }
+        for (; j < n; ++j) {
+          pf[r * kBlockKeys + j] = value(pr, j);
+          live[r] |= static_cast<uint32_t>(pf[r * kBlockKeys + j] != 0.0f) << j;
+        }
+        any |= live[r];
+      }
+      if (any == 0) return;
+      if (!v) v = rows_f32(vb, c0, n, D, vw);
+      values_rows<ROWS>(acc + r0 * D, pf, live, 0, v, n, D);
+    });
+  }
+  for (int r = 0; r < rows; ++r) store_row(o[r], acc + r * D, D);
+}
+
+// Scores, softmax and values of up to kManyRows rows (attention_many_avx512).
+// Each row's scores and weights are kept to the end of its group's keys,
+// rounded up to the 16-key chunk the scores write and then to the
+// kBlockKeys chunk the values read (zeros). The softmax of that prefix is
+// the softmax of the whole row: past the group's end every score is -inf.
+template <class E>
+void attention_many_t(const E* const* q, const bool* const* m, E* const* o, int rows, const E* kb, const E* vb,
+                      int64_t L, int64_t D, float scale, float* scratch, E* scores) {
+  float* rows_f = scratch;                 // q rows in fp32, then the value accumulators: [rows][D]
+  float* keys_f = scratch + kManyRows * D;  // the transposed keys [D][16], then kBlockKeys value rows
+  float* e = keys_f + kBlockKeys * D;       // [L]
+  int64_t ends[kManyRows];  // per row, its group's end
+  for_group_ends(m, rows, L, [&](auto g, int r0, int64_t end) {
+    for (int r = r0; r < r0 + decltype(g)::value; ++r) ends[r] = end;
+  });
+  E* s[kManyRows];
+  for (int r = 0; r < rows; ++r) s[r] = scores + r * L;
+  scores_many_t(q, m, s, rows, ends, kb, L, D, scale, rows_f, keys_f);
+  for (int r = 0; r < rows; ++r) {
+    const int64_t end = ends[r], scored = (end + 15) / 16 * 16 < L ? (end + 15) / 16 * 16 : L;
+    const int64_t read = (end + kBlockKeys - 1) / kBlockKeys * kBlockKeys < L
+                             ? (end + kBlockKeys - 1) / kBlockKeys * kBlockKeys : L;
+    softmax_row_t(s[r], s[r], scored, e);  // in place: it reads a row before writing it
+    for (int64_t c = scored; c < read; ++c) s[r][c] = E{};
+  }
+  values_many_t(s, o, rows, ends, vb, L, D, rows_f, keys_f);
+}
+
 }  // namespace
 
 void scores_block_avx512(const uint16_t* const* q, const bool* const* masked, uint16_t* const* out, int rows,
@@ -502,6 +719,16 @@ void values_block_avx512(const float* const* probs, float* const* out, int rows,
 }
 void softmax_row_avx512(const uint16_t* x, uint16_t* out, int64_t n, float* e) { softmax_row_t(x, out, n, e); }
 void softmax_row_avx512(const float* x, float* out, int64_t n, float* e) { softmax_row_t(x, out, n, e); }
+void attention_many_avx512(const uint16_t* const* q, const bool* const* masked, uint16_t* const* out, int rows,
+                           const uint16_t* keys, const uint16_t* values, int64_t L, int64_t D, float scale,
+                           float* scratch, uint16_t* scores) {
+  attention_many_t(q, masked, out, rows, keys, values, L, D, scale, scratch, scores);
+}
+void attention_many_avx512(const float* const* q, const bool* const* masked, float* const* out, int rows,
+                           const float* keys, const float* values, int64_t L, int64_t D, float scale, float* scratch,
+                           float* scores) {
+  attention_many_t(q, masked, out, rows, keys, values, L, D, scale, scratch, scores);
+}
 bool norm_rope_row_avx512(const uint16_t* x, const uint16_t* w, const uint16_t* cos, const uint16_t* sin,
                           uint16_t* out, int64_t D, float eps) {
   return norm_rope_row_t(x, w, cos, sin, out, D, eps);

@@ -132,6 +132,21 @@ void values_block_avx512(const uint16_t* const* probs, uint16_t* const* out, int
 void values_block_avx512(const float* const* probs, float* const* out, int rows, const float* values, int64_t L,
                          int64_t D, float* scratch);
 
+// Up to kManyRows rows of one KV head (prefill), the same rows as a block's
+// (the query heads of consecutive positions): scores, softmax and values in
+// one call, each key and value chunk widened once for all of them and the
+// keys transposed, so that a score tile's lanes are keys (no horizontal
+// sums). The same bits as the block and row functions. scratch holds
+// many_scratch_floats(D, L) floats; scores kManyRows * L elements.
+constexpr int kManyRows = 128;
+static inline int64_t many_scratch_floats(int64_t D, int64_t L) { return (kManyRows + kBlockKeys) * D + L; }
+void attention_many_avx512(const uint16_t* const* q, const bool* const* masked, uint16_t* const* out, int rows,
+                           const uint16_t* keys, const uint16_t* values, int64_t L, int64_t D, float scale,
+                           float* scratch, uint16_t* scores);
+void attention_many_avx512(const float* const* q, const bool* const* masked, float* const* out, int rows,
+                           const float* keys, const float* values, int64_t L, int64_t D, float scale, float* scratch,
+                           float* scores);
+
 // One softmax row (kernels/ops.cpp's softmax_row, the same bits): e holds n floats.
 void softmax_row_avx512(const uint16_t* x, uint16_t* out, int64_t n, float* e);
 void softmax_row_avx512(const float* x, float* out, int64_t n, float* e);

@@ -369,16 +369,20 @@ void softmax_rows(const E* x, E* out, std::int64_t rows, std::int64_t n) {
 }
 
 // Rows of one KV head in blocks (detail::scores_block_avx512 and
-// values_block_avx512): the G query heads of consecutive positions, at most
-// kBlockRows rows. Calls fn(b, kv, rows, row_h, row_t, scratch) per block,
-// blocks split over threads (each row costs L * D multiply-adds); false when
-// the blocked kernels cannot run (no AVX-512, or a head_dim they do not take).
+// values_block_avx512, or attention_many_avx512): the G query heads of
+// consecutive positions, at most max_rows rows. Calls fn(b, kv, rows, row_h,
+// row_t, scratch) per block, with scratch_floats floats of scratch per
+// thread; blocks split over threads (each row costs L * D multiply-adds);
+// false when the blocked kernels cannot run (no AVX-512, or a head_dim they
+// do not take).
+std::int64_t block_scratch_floats(std::int64_t D) { return (detail::kBlockRows + detail::kBlockKeys) * D; }
+
 template <class Fn>
 bool for_head_blocks(std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KV, std::int64_t D, std::int64_t L,
-                     Fn fn) {
+                     int max_rows, std::int64_t scratch_floats, Fn fn) {
   const std::int64_t G = H / KV;
   if (!has_avx512() || D % 16 != 0 || D > detail::kBlockMaxD || G > detail::kBlockRows) return false;
-  const std::int64_t per = std::max<std::int64_t>(1, detail::kBlockRows / G);  // positions per block
+  const std::int64_t per = std::max<std::int64_t>(1, max_rows / G);  // positions per block
   const std::int64_t tblocks = (T + per - 1) / per, units = B * KV * tblocks;
   // As many threads as at::parallel_for would start; they take blocks from a
   // shared counter, so a thread slowed by a busy core does not leave the
@@ -388,8 +392,8 @@ bool for_head_blocks(std::int64_t B, std::int64_t T, std::int64_t H, std::int64_
   const std::int64_t threads = std::min<std::int64_t>(at::get_num_threads(), (units + g - 1) / g);
   std::atomic<std::int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](std::int64_t, std::int64_t) {
-    std::vector<float> scratch(static_cast<std::size_t>((detail::kBlockRows + detail::kBlockKeys) * D));
-    std::int64_t row_h[detail::kBlockRows], row_t[detail::kBlockRows];
+    std::vector<float> scratch(static_cast<std::size_t>(scratch_floats));
+    std::int64_t row_h[detail::kManyRows], row_t[detail::kManyRows];
     for (std::int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
          u = next.fetch_add(1, std::memory_order_relaxed)) {
       const std::int64_t b = u / (KV * tblocks), kv = u / tblocks % KV, t0 = u % tblocks * per;
@@ -415,8 +419,8 @@ void scores_impl(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, co
   const bool* mp = masked.data_ptr<bool>();
   E* op = reinterpret_cast<E*>(out.data_ptr());
   const bool blocked = for_head_blocks(
-      B, T, H, KV, D, L, [&](std::int64_t b, std::int64_t kv, int rows, const std::int64_t* rh, const std::int64_t* rt,
-                             float* scratch) {
+      B, T, H, KV, D, L, detail::kBlockRows, block_scratch_floats(D),
+      [&](std::int64_t b, std::int64_t kv, int rows, const std::int64_t* rh, const std::int64_t* rt, float* scratch) {
         const E* qr[detail::kBlockRows];
         const bool* mr[detail::kBlockRows];
         E* orow[detail::kBlockRows];
@@ -446,8 +450,8 @@ void values_impl(const at::Tensor& probs, const at::Tensor& values, std::int64_t
   const E* vp = reinterpret_cast<const E*>(values.data_ptr());
   E* op = reinterpret_cast<E*>(out.data_ptr());
   const bool blocked = for_head_blocks(
-      B, T, H, KV, D, L, [&](std::int64_t b, std::int64_t kv, int rows, const std::int64_t* rh, const std::int64_t* rt,
-                             float* scratch) {
+      B, T, H, KV, D, L, detail::kBlockRows, block_scratch_floats(D),
+      [&](std::int64_t b, std::int64_t kv, int rows, const std::int64_t* rh, const std::int64_t* rt, float* scratch) {
         const E* pr[detail::kBlockRows];
         E* orow[detail::kBlockRows];
         for (int r = 0; r < rows; ++r) {
@@ -471,39 +475,53 @@ void values_impl(const at::Tensor& probs, const at::Tensor& values, std::int64_t
 // Scores, softmax and values of each block of rows in one pass: the row
 // functions of the three separate ops on the same inputs, so the same bits,
 // with the block's scores and probabilities in a per-thread buffer instead of
-// [B, H, T, L] tensors, and one parallel region instead of three.
+// [B, H, T, L] tensors, and one parallel region instead of three. Prefill
+// (more rows per KV head than one block of kBlockRows) runs blocks of up to
+// kManyRows rows through attention_many_avx512, which widens and transposes
+// each key chunk once for all of them.
 template <class E>
 bool fused_impl(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, std::int64_t L,
                 const at::Tensor& masked, float scale, at::Tensor& out) {
   const std::int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
-  const std::int64_t KV = keys.size(1), cap = keys.size(2);
+  const std::int64_t KV = keys.size(1), cap = keys.size(2), G = H / KV;
   const E* qp = reinterpret_cast<const E*>(q.data_ptr());
   const E* kp = reinterpret_cast<const E*>(keys.data_ptr());
   const E* vp = reinterpret_cast<const E*>(values.data_ptr());
   const bool* mp = masked.data_ptr<bool>();
   E* op = reinterpret_cast<E*>(out.data_ptr());
+  const bool many = T * G > detail::kBlockRows;
+  const int max_rows = many ? detail::kManyRows : detail::kBlockRows;
+  const std::int64_t scratch = many ? detail::many_scratch_floats(D, L) : block_scratch_floats(D);
   return for_head_blocks(
-      B, T, H, KV, D, L, [&](std::int64_t b, std::int64_t kv, int rows, const std::int64_t* rh, const std::int64_t* rt,
-                             float* scratch) {
-        thread_local std::vector<E> sp;  // scores, then probabilities: [2][kBlockRows][L]
+      B, T, H, KV, D, L, max_rows, scratch,
+      [&](std::int64_t b, std::int64_t kv, int rows, const std::int64_t* rh, const std::int64_t* rt, float* buf) {
+        thread_local std::vector<E> sp;  // scores, then probabilities: [2][kBlockRows][L], or [kManyRows][L]
         thread_local std::vector<float> e;
-        sp.resize(static_cast<std::size_t>(2 * detail::kBlockRows * L));
-        e.resize(static_cast<std::size_t>(L));
-        const E* qr[detail::kBlockRows];
-        const bool* mr[detail::kBlockRows];
-        E* sr[detail::kBlockRows];
-        E* pr[detail::kBlockRows];
-        E* orow[detail::kBlockRows];
+        sp.resize(static_cast<std::size_t>((many ? detail::kManyRows : 2 * detail::kBlockRows) * L));
+        const E* qr[detail::kManyRows];
+        const bool* mr[detail::kManyRows];
+        E* orow[detail::kManyRows];
         for (int r = 0; r < rows; ++r) {
           qr[r] = qp + ((b * T + rt[r]) * H + rh[r]) * D;
           mr[r] = mp + (b * T + rt[r]) * L;
-          sr[r] = sp.data() + r * L;
-          pr[r] = sp.data() + (detail::kBlockRows + r) * L;
           orow[r] = op + ((b * T + rt[r]) * H + rh[r]) * D;
         }
-        detail::scores_block_avx512(qr, mr, sr, rows, kp + (b * KV + kv) * cap * D, L, D, scale, scratch);
+        const E* kb = kp + (b * KV + kv) * cap * D;
+        const E* vb = vp + (b * KV + kv) * cap * D;
+        if (many) {
+          detail::attention_many_avx512(qr, mr, orow, rows, kb, vb, L, D, scale, buf, sp.data());
+          return;
+        }
+        e.resize(static_cast<std::size_t>(L));
+        E* sr[detail::kBlockRows];
+        E* pr[detail::kBlockRows];
+        for (int r = 0; r < rows; ++r) {
+          sr[r] = sp.data() + r * L;
+          pr[r] = sp.data() + (detail::kBlockRows + r) * L;
+        }
+        detail::scores_block_avx512(qr, mr, sr, rows, kb, L, D, scale, buf);
         for (int r = 0; r < rows; ++r) detail::softmax_row_avx512(sr[r], pr[r], L, e.data());
-        detail::values_block_avx512(pr, orow, rows, vp + (b * KV + kv) * cap * D, L, D, scratch);
+        detail::values_block_avx512(pr, orow, rows, vb, L, D, buf);
       });
 }
 

@@ -471,12 +471,16 @@ TEST_CASE("ops: prefill attention (blocks of rows, fused or not) has the portabl
   // tiles in groups of 4 rows, then 2 and 1; blocks of up to 4 rows (G = 2
   // at T = 1 or 2, G = 4 and G = 1 when decoding) widen keys in registers,
   // larger ones into scratch (G = 3: blocks of 15 and 6 rows; G = 1 at
-  // T = 19: 16 and 3; G = 5: 15 rows; head_dim 16: one chunk).
+  // T = 19: 16 and 3; G = 5: 15 rows; head_dim 16: one chunk). Fused, more
+  // rows per KV head than one block (T * G > 16) run in blocks of up to 128
+  // rows with transposed keys (G = 4 at T = 37: 128 and 20 rows; G = 3 at
+  // T = 33: 126 rows, groups of 4, 2 and 1), each group only as far as its
+  // last unmasked key (L = 33: the last key alone in its chunk).
   struct Case { std::int64_t B, T, H, KV, D, start; };
   for (const Case cs : {Case{2, 37, 8, 2, 48, 5}, Case{1, 16, 4, 4, 128, 0}, Case{3, 9, 16, 2, 64, 20},
                         Case{2, 1, 8, 1, 128, 40}, Case{2, 5, 4, 2, 128, 33}, Case{3, 2, 2, 1, 48, 50},
                         Case{2, 1, 16, 8, 128, 90}, Case{2, 7, 6, 2, 48, 3}, Case{1, 19, 2, 2, 64, 0},
-                        Case{2, 17, 10, 2, 16, 6}, Case{1, 33, 12, 4, 32, 1}}) {
+                        Case{2, 17, 10, 2, 16, 6}, Case{1, 33, 12, 4, 32, 1}, Case{2, 33, 4, 2, 64, 0}}) {
     for (auto dtype : {at::kFloat, at::kBFloat16}) {
       CAPTURE(cs.T);
       CAPTURE(cs.D);
@@ -491,6 +495,7 @@ TEST_CASE("ops: prefill attention (blocks of rows, fused or not) has the portabl
       at::Tensor pad = at::arange(0, L).view({1, L}) < at::randint(0, cs.start + 1, {cs.B, 1});  // left padding
       at::Tensor masked = ((kcol > qcol).unsqueeze(0).logical_or(pad.unsqueeze(1)))
                               .logical_and((kcol != qcol).unsqueeze(0)).unsqueeze(1);  // [B, 1, T, L]
+      masked.select(0, 0).select(1, cs.T / 2).fill_(true);  // a row with no key (a padding position's): zeros
       const float scale = 1.0f / std::sqrt(static_cast<float>(cs.D));
       at::Tensor s = dmi::kernels::attention_scores(q, keys, L, masked, scale);
       CHECK(at::equal(s, ref_scores(q, keys, L, masked, scale)));

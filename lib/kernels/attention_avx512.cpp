@@ -586,12 +586,11 @@ inline void for_group_ends(const bool* const* m, int rows, int64_t L, Fn fn) {
   });
 }
 
-// Scores of `rows` rows against keys [0, ends[r]) (the end of row r's
-// group, the same for each of its rows), the
-// chunk that holds the last of them written whole: 16 keys at a time,
-// transposed once, then tiles of 4 rows (2 and 1 for the rest); a tile whose
-// every score is masked writes -inf and computes nothing. The row
-// functions' bits.
+// Scores of `rows` rows against keys [0, ends[r]) (the end of row r's group,
+// the same for each of its rows; the 16-key chunk that holds the last one is
+// written whole, nothing past it): 16 keys at a time, transposed once, then
+// tiles of 4 rows (2 and 1 for the rest); a tile whose every score is masked
+// writes -inf and computes nothing. The row functions' bits.
 template <class E>
 void scores_many_t(const E* const* q, const bool* const* m, E* const* o, int rows, const int64_t* ends,
                    const E* kb, int64_t L, int64_t D, float scale, float* qw, float* kt) {

@@ -148,6 +148,33 @@ inline __mmask16 masked16(const bool* m) {
   return static_cast<__mmask16>(_mm_movemask_epi8(_mm_cmpgt_epi8(bytes, _mm_setzero_si128())));
 }
 
+// Bit j set when key j of a chunk of n (<= 16) keys is masked for this row:
+// masked16 for a whole chunk, only the n bytes of a shorter last one.
+inline __mmask16 chunk_mask(const bool* m, int n) {
+  if (n == 16) return masked16(m);
+  __mmask16 k = 0;
+  for (int j = 0; j < n; ++j) k = static_cast<__mmask16>(k | (m[j] ? 1u << j : 0u));
+  return k;
+}
+
+// A row's weights of a chunk of n (<= kBlockKeys) keys in fp32 into pf;
+// returns bit j set where weight j is live: not +-0 (a NaN is live).
+template <class E>
+inline uint32_t chunk_weights(const E* p, int64_t n, float* pf) {
+  uint32_t live = 0;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 pc = load_f32(p + j);
+    _mm512_store_ps(pf + j, pc);
+    live |= static_cast<uint32_t>(_mm512_cmp_ps_mask(pc, _mm512_setzero_ps(), _CMP_NEQ_UQ)) << j;
+  }
+  for (; j < n; ++j) {
+    pf[j] = value(p, j);
+    live |= static_cast<uint32_t>(pf[j] != 0.0f) << j;
+  }
+  return live;
+}
+
 // -inf in the dtype, n times.
 inline void fill_neg_inf(float* o, int n) {
   for (int j = 0; j < n; ++j) o[j] = -__builtin_inff();
@@ -235,12 +262,7 @@ void scores_block_t(const E* const* q, const bool* const* m, E* const* o, int ro
     __mmask16 masked[kBlockRows];
     bool any = false;
     for (int r = 0; r < rows; ++r) {
-      if (n == 16) {
-        masked[r] = masked16(m[r] + c0);
-      } else {  // the last chunk: only its n bytes
-        masked[r] = 0;
-        for (int j = 0; j < n; ++j) masked[r] = static_cast<__mmask16>(masked[r] | (m[r][c0 + j] ? 1u << j : 0u));
-      }
+      masked[r] = chunk_mask(m[r] + c0, n);
       any = any || masked[r] != static_cast<__mmask16>((1u << n) - 1);
     }
     if (!any) {
@@ -332,18 +354,7 @@ void values_block_t(const E* const* p, E* const* o, int rows, const E* vb, int64
     const int64_t n = L - c0 < kBlockKeys ? L - c0 : kBlockKeys;
     uint32_t any = 0;
     for (int r = 0; r < rows; ++r) {
-      live[r] = 0;
-      int64_t j = 0;
-      for (; j + 16 <= n; j += 16) {  // a weight is live unless it is +-0 (a NaN is live)
-        const __m512 pc = load_f32(p[r] + c0 + j);
-        _mm512_store_ps(pf + r * kBlockKeys + j, pc);
-        live[r] |= static_cast<uint32_t>(_mm512_cmp_ps_mask(pc, _mm512_setzero_ps(), _CMP_NEQ_UQ)) << j;
-      }
-      for (; j < n; ++j) {
-        const float pc = value(p[r], c0 + j);
-        pf[r * kBlockKeys + j] = pc;
-        live[r] |= static_cast<uint32_t>(pc != 0.0f) << j;
-      }
+      live[r] = chunk_weights(p[r] + c0, n, pf + r * kBlockKeys);
       any |= live[r];
     }
     if (any == 0) continue;  // every row's weights are 0 here (masked): nothing to add
@@ -608,13 +619,7 @@ void scores_many_t(const E* const* q, const bool* const* m, E* const* o, int row
       __mmask16 masked[ROWS];
       bool any = false;
       for (int r = 0; r < ROWS; ++r) {
-        const bool* mr = m[r0 + r] + c0;
-        if (n == 16) {
-          masked[r] = masked16(mr);
-        } else {
-          masked[r] = 0;
-          for (int j = 0; j < n; ++j) masked[r] = static_cast<__mmask16>(masked[r] | (mr[j] ? 1u << j : 0u));
-        }
+        masked[r] = chunk_mask(m[r0 + r] + c0, n);
         any = any || masked[r] != all;
       }
       if (!any) {
@@ -648,18 +653,7 @@ void values_many_t(const E* const* p, E* const* o, int rows, const int64_t* ends
       alignas(64) float pf[ROWS * kBlockKeys];
       uint32_t live[ROWS], any = 0;
       for (int r = 0; r < ROWS; ++r) {
-        const E* pr = p[r0 + r] + c0;
-        live[r] = 0;
-        int64_t j = 0;
-        for (; j + 16 <= n; j += 16) {  // a weight is live unless it is +-0 (a NaN is live)
-          const __m512 pc = load_f32(pr + j);
-          _mm512_store_ps(pf + r * kBlockKeys + j, pc);
-          live[r] |= static_cast<uint32_t>(_mm512_cmp_ps_mask(pc, _mm512_setzero_ps(), _CMP_NEQ_UQ)) << j;
-        }
-        for (; j < n; ++j) {
-          pf[r * kBlockKeys + j] = value(pr, j);
-          live[r] |= static_cast<uint32_t>(pf[r * kBlockKeys + j] != 0.0f) << j;
-        }
+        live[r] = chunk_weights(p[r0 + r] + c0, n, pf + r * kBlockKeys);
         any |= live[r];
       }
       if (any == 0) return;

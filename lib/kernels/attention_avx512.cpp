@@ -605,11 +605,9 @@ inline void for_group_ends(const bool* const* m, int rows, int64_t L, Fn fn) {
 template <class E>
 void scores_many_t(const E* const* q, const bool* const* m, E* const* o, int rows, const int64_t* ends,
                    const E* kb, int64_t L, int64_t D, float scale, float* qw, float* kt) {
-  int64_t last = 0;
-  for (int r = 0; r < rows; ++r) last = ends[r] > last ? ends[r] : last;
   for (int r = 0; r < rows; ++r)
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(qw + r * D + d, load_f32(q[r] + d));
-  for (int64_t c0 = 0; c0 < last; c0 += 16) {
+  for (int64_t c0 = 0; c0 < L; c0 += 16) {
     const int n = L - c0 < 16 ? static_cast<int>(L - c0) : 16;
     const __mmask16 all = static_cast<__mmask16>((1u << n) - 1);
     bool transposed = false;
@@ -641,10 +639,8 @@ void scores_many_t(const E* const* q, const bool* const* m, E* const* o, int row
 template <class E>
 void values_many_t(const E* const* p, E* const* o, int rows, const int64_t* ends, const E* vb, int64_t L, int64_t D,
                    float* acc, float* vw) {
-  int64_t last = 0;
-  for (int r = 0; r < rows; ++r) last = ends[r] > last ? ends[r] : last;
   for (int64_t i = 0; i < rows * D; ++i) acc[i] = 0.0f;
-  for (int64_t c0 = 0; c0 < last; c0 += kBlockKeys) {
+  for (int64_t c0 = 0; c0 < L; c0 += kBlockKeys) {
     const int64_t n = L - c0 < kBlockKeys ? L - c0 : kBlockKeys;
     const float* v = nullptr;  // the chunk's values in fp32, once a group weighs them
     for_groups(rows, [&](auto g, int r0) {
@@ -662,6 +658,12 @@ void values_many_t(const E* const* p, E* const* o, int rows, const int64_t* ends
     });
   }
   for (int r = 0; r < rows; ++r) store_row(o[r], acc + r * D, D);
+}
+
+// end rounded up to a whole chunk of `chunk` keys, at most L.
+inline int64_t chunk_end(int64_t end, int64_t chunk, int64_t L) {
+  const int64_t e = (end + chunk - 1) / chunk * chunk;
+  return e < L ? e : L;
 }
 
 // Scores, softmax and values of up to kManyRows rows (attention_many_avx512).
@@ -683,9 +685,7 @@ void attention_many_t(const E* const* q, const bool* const* m, E* const* o, int 
   for (int r = 0; r < rows; ++r) s[r] = scores + r * L;
   scores_many_t(q, m, s, rows, ends, kb, L, D, scale, rows_f, keys_f);
   for (int r = 0; r < rows; ++r) {
-    const int64_t end = ends[r], scored = (end + 15) / 16 * 16 < L ? (end + 15) / 16 * 16 : L;
-    const int64_t read = (end + kBlockKeys - 1) / kBlockKeys * kBlockKeys < L
-                             ? (end + kBlockKeys - 1) / kBlockKeys * kBlockKeys : L;
+    const int64_t scored = chunk_end(ends[r], 16, L), read = chunk_end(ends[r], kBlockKeys, L);
     softmax_row_t(s[r], s[r], scored, e);  // in place: it reads a row before writing it
     for (int64_t c = scored; c < read; ++c) s[r][c] = E{};
   }

@@ -14,6 +14,7 @@
 
 #include "common/error.h"
 #include "kernels/gemm_impl.h"
+#include "kernels/pool.h"
 
 namespace dmi::kernels {
 
@@ -143,6 +144,27 @@ at::Tensor huge_page_copy(const at::Tensor& src) {
   return dst;
 }
 
+// What held thread 1 read ahead (PackedLinear::prefetch): the first
+// `panels` panels of the packed weights at `w`. One per holding thread.
+struct ReadAhead {
+  const void* w = nullptr;
+  std::atomic<std::int64_t> panels{0};
+};
+ReadAhead& read_ahead() {
+  thread_local ReadAhead r;
+  return r;
+}
+
+// The panels of w that held thread 1 has in its cache, once its task is
+// stopped; 0 when it read another matrix or nothing.
+std::int64_t take_ahead(const void* w) {
+  ReadAhead& r = read_ahead();
+  if (r.w != w) return 0;
+  wait_background();
+  r.w = nullptr;
+  return r.panels.load(std::memory_order_relaxed);
+}
+
 }  // namespace
 
 PackedLinear::PackedLinear(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& biases,
@@ -185,6 +207,32 @@ PackedLinear::PackedLinear(const std::vector<at::Tensor>& weights, const std::ve
 }
 
 at::Tensor PackedLinear::operator()(const at::Tensor& x) const { return run(x, isa_); }
+
+void PackedLinear::prefetch() const {
+  if (isa_ == Isa::aten || !defined() || !holding_threads()) return;
+  // About what one core's L2 holds (1 MiB on Zen 4 and 5, 1-2 MiB on recent
+  // Xeons), in whole panels; at least one.
+  constexpr std::int64_t kAheadBytes = 768 << 10;
+  const std::int64_t panels = (n_ + kPanel - 1) / kPanel;
+  const std::int64_t lines = kp_ * kPanel * packed_.element_size() / 64;  // per panel
+  const std::int64_t limit = std::clamp<std::int64_t>(kAheadBytes / (lines * 64), 1, panels);
+  const char* w = static_cast<const char*>(packed_.data_ptr());
+  ReadAhead& r = read_ahead();
+  wait_background();  // a previous task may still write r.panels
+  r.w = w;
+  r.panels.store(0, std::memory_order_relaxed);
+  std::atomic<std::int64_t>* done = &r.panels;
+  in_background([w, lines, limit, done](const std::atomic<bool>& stop) {
+    for (std::int64_t p = 0; p < limit; ++p) {
+      for (std::int64_t l = 0; l < lines; l += 64) {
+        if (stop.load(std::memory_order_relaxed)) return;
+        const char* c = w + (p * lines + l) * 64;
+        for (std::int64_t i = 0; i < 64 && l + i < lines; ++i) __builtin_prefetch(c + 64 * i, 0, 3);
+      }
+      done->store(p + 1, std::memory_order_relaxed);
+    }
+  });
+}
 
 at::Tensor PackedLinear::run(const at::Tensor& x, Isa isa) const {
   DMI_CHECK(defined(), "PackedLinear used before it was built");
@@ -239,7 +287,7 @@ at::Tensor PackedLinear::run(const at::Tensor& x, Isa isa) const {
   constexpr std::int64_t kMinWork = 1 << 18;
   const std::int64_t panels = (n_ + kPanel - 1) / kPanel;
   const std::int64_t threads =
-      std::clamp<std::int64_t>(M * n_ * k_ / kMinWork, 1, std::min<std::int64_t>(at::get_num_threads(), panels));
+      std::clamp<std::int64_t>(M * n_ * k_ / kMinWork, 1, std::min<std::int64_t>(pool_threads(), panels));
   // Prefill-sized inputs are cut into units of kPrefillRows rows x a quarter
   // (with 2 threads) of the panels, taken in row order from a shared counter:
   // both threads work on the same rows at a time, each x row block stays in
@@ -265,7 +313,7 @@ at::Tensor PackedLinear::run(const at::Tensor& x, Isa isa) const {
     const std::int64_t per_rows = (panels + chunk - 1) / chunk;
     const std::int64_t units = (M + kPrefillRows - 1) / kPrefillRows * per_rows;
     const std::int64_t x_bytes = xin.element_size(), y_bytes = y.element_size();
-    at::parallel_for(0, threads, 1, [&](std::int64_t, std::int64_t) {
+    parallel(static_cast<int>(threads), [&](int) {
       GemmArgs part = a;
       for (std::int64_t u = next++; u < units; u = next++) {
         const std::int64_t m0 = u / per_rows * kPrefillRows, c = u % per_rows;
@@ -285,8 +333,16 @@ at::Tensor PackedLinear::run(const at::Tensor& x, Isa isa) const {
   // the weights, had run one-panel tiles only.
   const std::int64_t least = M <= detail::kWideMR ? 2 : 1;
   const std::int64_t chunk = std::clamp<std::int64_t>(panels / (8 * threads), least, 8);
-  at::parallel_for(0, threads, 1, [&](std::int64_t, std::int64_t) {
+  // Panels that held thread 1 read ahead (prefetch()) are its first chunk.
+  const std::int64_t head = threads > 1 ? std::min(take_ahead(packed_.data_ptr()), panels) : 0;
+  next.store(head, std::memory_order_relaxed);
+  parallel(static_cast<int>(threads), [&](int t) {
     GemmArgs part = a;
+    if (t == 1 && head > 0) {
+      part.panel_begin = 0;
+      part.panel_end = head;
+      fn(part);
+    }
     std::int64_t begin = next.load(std::memory_order_relaxed), size = 0;
     for (;;) {
       do {

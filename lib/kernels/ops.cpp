@@ -13,6 +13,7 @@
 #include "common/error.h"
 #include "kernels/gemm_impl.h"
 #include "kernels/linear.h"
+#include "kernels/pool.h"
 
 namespace dmi::kernels {
 
@@ -276,7 +277,7 @@ constexpr std::int64_t kRowElementCost = 8;
 template <class E>
 void rms_norm_rows(const E* x, const E* w, E* out, std::int64_t rows, std::int64_t n, std::int64_t inner,
                    std::int64_t outer_stride, float eps) {
-  at::parallel_for(0, rows, grain(kRowElementCost * n), [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(0, rows, grain(kRowElementCost * n), [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t r = begin; r < end; ++r)
       rms_norm_row_any(x + r / inner * outer_stride + r % inner * n, w, out + r * n, n, eps);
   });
@@ -286,7 +287,7 @@ void rms_norm_rows(const E* x, const E* w, E* out, std::int64_t rows, std::int64
 template <class E>
 void rope_rows(const E* x, std::int64_t x_stride, const E* cos, const E* sin, E* out, std::int64_t B, std::int64_t T,
                std::int64_t H, std::int64_t D) {
-  at::parallel_for(0, B * T, grain(kRowElementCost * H * D), [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(0, B * T, grain(kRowElementCost * H * D), [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t bt = begin; bt < end; ++bt)
       for (std::int64_t h = 0; h < H; ++h)
         rope_row_any(x + bt * x_stride + h * D, cos + bt * D, sin + bt * D, out + (bt * H + h) * D, D);
@@ -311,7 +312,7 @@ struct AttentionInputs {
 template <class E>
 void attention_inputs_rows(const AttentionInputs<E>& a) {
   const std::int64_t D = a.D, per_position = 2 * kRowElementCost * (a.H + a.KV) * D;  // a norm and a rotation
-  at::parallel_for(0, a.B * a.T, grain(per_position), [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(0, a.B * a.T, grain(per_position), [&](std::int64_t begin, std::int64_t end) {
     std::vector<E> normed(static_cast<std::size_t>(D));
     auto row = [&](const E* x, const E* norm, const E* cos, const E* sin, E* out) {
       if (has_avx512() && detail::norm_rope_row_avx512(x, norm, cos, sin, out, D, a.eps)) return;
@@ -355,14 +356,14 @@ std::int64_t collapsed_stride(const at::Tensor& t, std::int64_t dims) {
 template <class E>
 void silu_mul_rows(const E* g, const E* u, E* out, std::int64_t rows, std::int64_t n, std::int64_t g_stride,
                    std::int64_t u_stride) {
-  at::parallel_for(0, rows, grain(kRowElementCost * n), [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(0, rows, grain(kRowElementCost * n), [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t r = begin; r < end; ++r) silu_mul_row_any(g + r * g_stride, u + r * u_stride, out + r * n, n);
   });
 }
 
 template <class E>
 void softmax_rows(const E* x, E* out, std::int64_t rows, std::int64_t n) {
-  at::parallel_for(0, rows, grain(n), [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(0, rows, grain(n), [&](std::int64_t begin, std::int64_t end) {
     std::vector<float> e(static_cast<std::size_t>(n));
     for (std::int64_t r = begin; r < end; ++r) softmax_row_any(x + r * n, out + r * n, n, e.data());
   });
@@ -389,9 +390,9 @@ bool for_head_blocks(std::int64_t B, std::int64_t T, std::int64_t H, std::int64_
   // other waiting at the end (causal prefill blocks also differ in length).
   // A block is computed by one thread whichever it is: the same bits.
   const std::int64_t g = grain(std::min(T, per) * G * L * D);
-  const std::int64_t threads = std::min<std::int64_t>(at::get_num_threads(), (units + g - 1) / g);
+  const std::int64_t threads = std::min<std::int64_t>(pool_threads(), (units + g - 1) / g);
   std::atomic<std::int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](std::int64_t, std::int64_t) {
+  parallel(static_cast<int>(threads), [&](int) {
     std::vector<float> scratch(static_cast<std::size_t>(scratch_floats));
     std::int64_t row_h[detail::kManyRows], row_t[detail::kManyRows];
     for (std::int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < units;
@@ -432,7 +433,7 @@ void scores_impl(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, co
         detail::scores_block_avx512(qr, mr, orow, rows, kp + (b * KV + kv) * cap * D, L, D, scale, scratch);
       });
   if (blocked) return;
-  at::parallel_for(0, B * H, grain(T * L * D), [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(0, B * H, grain(T * L * D), [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t bh = begin; bh < end; ++bh) {
       const std::int64_t b = bh / H, h = bh % H, kv = h / G;
       for (std::int64_t t = 0; t < T; ++t)
@@ -461,7 +462,7 @@ void values_impl(const at::Tensor& probs, const at::Tensor& values, std::int64_t
         detail::values_block_avx512(pr, orow, rows, vp + (b * KV + kv) * cap * D, L, D, scratch);
       });
   if (blocked) return;
-  at::parallel_for(0, B * H, grain(T * L * D), [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(0, B * H, grain(T * L * D), [&](std::int64_t begin, std::int64_t end) {
     std::vector<float> acc(static_cast<std::size_t>(2 * D));
     for (std::int64_t bh = begin; bh < end; ++bh) {
       const std::int64_t b = bh / H, h = bh % H, kv = h / G;
@@ -606,7 +607,7 @@ void write_cache(at::Tensor& cache, const at::Tensor& x, std::int64_t start) {
   const char* src = static_cast<const char*>(xc.data_ptr());
   char* dst = static_cast<char*>(cache.data_ptr());
   const std::int64_t s0 = xc.stride(0), s1 = xc.stride(1), s2 = xc.stride(2);
-  at::parallel_for(0, B * T, grain(H * D), [&](std::int64_t begin, std::int64_t end) {
+  parallel_for(0, B * T, grain(H * D), [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t bt = begin; bt < end; ++bt) {
       const std::int64_t b = bt / T, t = bt % T;
       for (std::int64_t h = 0; h < H; ++h)

@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "kernels/ops.h"
+#include "kernels/pool.h"
 #include "model/rope.h"
 
 namespace dmi::model {
@@ -91,7 +92,23 @@ at::Tensor LlamaFamily::rms_norm(const at::Tensor& x, const at::Tensor& w) const
   return kernels::rms_norm(x, w, cfg_.rms_norm_eps);
 }
 
+// A forward pass of up to this many rows (batch x new positions: decode
+// steps) runs with the threads held (kernels/pool.h): its ~140 parallel
+// operations are then handed to a waiting thread instead of each forking
+// one, and the held thread reads the next projection's first weights while
+// the calling thread computes the small operations between two projections.
+// Larger passes (prefill) fork per operation, so that ATen's own operations
+// in them (the mask, the embedding) keep their threads. Bits do not depend on it.
+constexpr std::int64_t kHeldRows = 32;
+
 at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::Observer* obs) {
+  if (in.ids.numel() > kHeldRows) return forward_pass(in, cache, obs);
+  at::Tensor logits;
+  kernels::hold_threads([&] { logits = forward_pass(in, cache, obs); });
+  return logits;
+}
+
+at::Tensor LlamaFamily::forward_pass(const ForwardInput& in, KVCache& cache, hooks::Observer* obs) {
   const std::int64_t B = in.ids.size(0), T = in.ids.size(1), L = in.start + T;
   const std::int64_t H = cfg_.num_heads, KV = cfg_.num_kv_heads, D = cfg_.head_dim;
   DMI_CHECK(L <= cache.capacity, "sequence needs {} cache columns, cache holds {}", L, cache.capacity);
@@ -137,6 +154,7 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
     at::Tensor h = rms_norm(x, l.ln1);
     hook(Site::ln1_normalized, i, h);
     at::Tensor qkv = l.qkv(h);  // [B, T, (H + 2 KV) D]
+    l.o.prefetch();  // each projection's start, while the operations before it run (kernels/pool.h)
     at::Tensor q = qkv.narrow(2, 0, H * D).view({B, T, H, D});
     at::Tensor k = qkv.narrow(2, H * D, KV * D).view({B, T, KV, D});
     at::Tensor v = qkv.narrow(2, (H + KV) * D, KV * D).view({B, T, KV, D});
@@ -183,6 +201,7 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
     }
     hook(Site::z, i, z);
     at::Tensor attn_out = l.o(z.reshape({B, T, H * D}));
+    l.gate_up.prefetch();
     hook(Site::attn_out, i, attn_out);
     x = x + attn_out;
     hook(Site::resid_mid, i, x);
@@ -191,6 +210,7 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
     hook(Site::ln2_normalized, i, h);
     const std::int64_t F = cfg_.intermediate_size;
     at::Tensor gate_up = l.gate_up(h);  // [B, T, 2 F]
+    l.down.prefetch();
     at::Tensor gate = gate_up.narrow(2, 0, F);
     hook(Site::mlp_pre, i, gate);
     at::Tensor up = gate_up.narrow(2, F, F);
@@ -198,6 +218,7 @@ at::Tensor LlamaFamily::forward(const ForwardInput& in, KVCache& cache, hooks::O
     at::Tensor act = kernels::silu_mul(gate, up);
     hook(Site::mlp_post, i, act);
     at::Tensor mlp_out = l.down(act);
+    (li + 1 < cfg_.num_layers ? layers_[li + 1].qkv : lm_head_).prefetch();
     hook(Site::mlp_out, i, mlp_out);
     x = x + mlp_out;
     hook(Site::resid_post, i, x);

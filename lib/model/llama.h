@@ -27,6 +27,7 @@ class LlamaFamily final : public CausalLM {
     kernels::PackedLinear qkv, o, gate_up, down;
   };
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w) const;
+  at::Tensor forward_pass(const ForwardInput& in, KVCache& cache, hooks::Observer* observer);
 
   io::ModelConfig cfg_;
   at::ScalarType dtype_;

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -17,6 +18,7 @@
 #include "common/error.h"
 #include "engine/runtime.h"
 #include "kernels/linear.h"
+#include "kernels/pool.h"
 
 using dmi::kernels::Isa;
 using dmi::kernels::PackedLinear;
@@ -603,12 +605,18 @@ TEST_CASE("kernels and ops: one thread computes the same bits as all of them, at
     at::Tensor keys = at::randn({B, KV, L, D}).to(dtype), values = at::randn({B, KV, L, D}).to(dtype);
     at::Tensor cos = at::randn({B, T, 1, D}).to(dtype), sin = at::randn({B, T, 1, D}).to(dtype);
     at::Tensor masked = at::ones({T, L}, at::kBool).triu(1).view({1, 1, T, L}).expand({B, 1, T, L});
+    at::Tensor x1 = at::randn({1, 512}).to(dtype);
     const PackedLinear lin({w}, {at::Tensor()}, dtype, Isa::scalar);
     auto run = [&] {
       std::vector<at::Tensor> out;
       for (Isa isa : supported()) {
         out.push_back(lin.run(x8, isa));
         out.push_back(lin.run(x, isa));
+        lin.prefetch();  // with held threads: thread 1 takes the panels it read first
+        out.push_back(lin.run(x1, isa));
+        lin.prefetch();
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));  // time to read all it reads ahead
+        out.push_back(lin.run(x1, isa));
       }
       out.push_back(dmi::kernels::rms_norm(x, nw, 1e-6));
       out.push_back(dmi::kernels::silu_mul(x, x.flip(0)));
@@ -618,17 +626,28 @@ TEST_CASE("kernels and ops: one thread computes the same bits as all of them, at
       out.push_back(s);
       out.push_back(p);
       out.push_back(dmi::kernels::attention_values(p, values, L));
+      out.push_back(dmi::kernels::attention(q, keys, values, L, masked, 0.125));
       return out;
     };
     at::set_num_threads(threads);
     const std::vector<at::Tensor> many = run();
+    // The same with the threads held for the whole run (kernels/pool.h), as
+    // a decode step holds them.
+    std::vector<at::Tensor> held;
+    dmi::kernels::hold_threads([&] {
+      CHECK(dmi::kernels::holding_threads());
+      CHECK(dmi::kernels::pool_threads() == threads);
+      held = run();
+    });
     at::set_num_threads(1);
     const std::vector<at::Tensor> one = run();
     at::set_num_threads(threads);
     REQUIRE(one.size() == many.size());
+    REQUIRE(one.size() == held.size());
     for (std::size_t i = 0; i < one.size(); ++i) {
       CAPTURE(i);
       CHECK(same_bits(one[i], many[i]));
+      CHECK(same_bits(one[i], held[i]));
     }
   }
 }

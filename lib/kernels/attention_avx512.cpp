@@ -34,6 +34,23 @@ inline float bf16_value(uint16_t h) {
 
 constexpr int kMaxChunks = kBlockMaxD / 16;  // head_dim up to 512
 
+// Asks for cache rows [from, to) of a block's keys or values (D elements
+// each, clipped to its L rows) to be brought into the cache. Decode-sized
+// blocks read their keys and values once each, from memory (the weights
+// streamed since the last step have evicted them): the kernels ask a chunk
+// or two ahead so that the loads of the current chunk do not wait. The
+// attention of a batch-8 decode step (Qwen3-0.6B shape, context ~56) took
+// 0.80-0.85x the time so (3 alternating runs, Zen 5 EPYC; docs/benchmarks.md,
+// 2026-12-05 second session).
+template <class E>
+inline void prefetch_rows(const E* base, int64_t from, int64_t to, int64_t L, int64_t D) {
+  if (to > L) to = L;
+  if (from >= to) return;
+  const char* b = reinterpret_cast<const char*>(base + from * D);
+  const char* e = reinterpret_cast<const char*>(base + to * D);
+  for (; b < e; b += 64) __builtin_prefetch(b, 0, 3);
+}
+
 }  // namespace
 
 bool scores_row_avx512(const uint16_t* q, const uint16_t* kb, const bool* m, uint16_t* o, int64_t L, int64_t D,
@@ -257,8 +274,11 @@ void scores_block_t(const E* const* q, const bool* const* m, E* const* o, int ro
   float* kw = scratch + kBlockRows * D;  // [16][D]
   for (int r = 0; r < rows; ++r)
     for (int64_t i = 0; i < chunks; ++i) _mm512_storeu_ps(qw + r * D + 16 * i, load_f32(q[r] + 16 * i));
+  // Decode-sized blocks: 16 keys per chunk, asked for two chunks ahead.
+  if (rows <= 4) prefetch_rows(kb, 0, 32, L, D);
   for (int64_t c0 = 0; c0 < L; c0 += 16) {
     const int n = L - c0 < 16 ? static_cast<int>(L - c0) : 16;
+    if (rows <= 4) prefetch_rows(kb, c0 + 32, c0 + 48, L, D);
     __mmask16 masked[kBlockRows];
     bool any = false;
     for (int r = 0; r < rows; ++r) {
@@ -350,8 +370,11 @@ void values_block_t(const E* const* p, E* const* o, int rows, const E* vb, int64
   for (int64_t i = 0; i < rows * D; ++i) acc[i] = 0.0f;
   alignas(64) float pf[kBlockRows * kBlockKeys];
   uint32_t live[kBlockRows];
+  // Decode-sized blocks: each chunk's values asked for a chunk ahead.
+  if (rows <= 4) prefetch_rows(vb, 0, kBlockKeys, L, D);
   for (int64_t c0 = 0; c0 < L; c0 += kBlockKeys) {
     const int64_t n = L - c0 < kBlockKeys ? L - c0 : kBlockKeys;
+    if (rows <= 4) prefetch_rows(vb, c0 + kBlockKeys, c0 + 2 * kBlockKeys, L, D);
     uint32_t any = 0;
     for (int r = 0; r < rows; ++r) {
       live[r] = chunk_weights(p[r] + c0, n, pf + r * kBlockKeys);

@@ -4,8 +4,6 @@
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -14,6 +12,7 @@
 
 #include "common/error.h"
 #include "kernels/gemm_impl.h"
+#include "kernels/memory.h"
 #include "kernels/pool.h"
 
 namespace dmi::kernels {
@@ -120,30 +119,6 @@ PeakRate measure_peak_macs_per_second(Isa isa, at::ScalarType dtype) {
 
 namespace {
 
-// Packed weights live in 2 MiB-aligned memory marked for transparent huge
-// pages: a decode step streams all of them, and with 4 KiB pages the TLB
-// misses stall the prefetches (lm_head: 311 MB). The memory is a fresh
-// anonymous mapping, never heap memory: glibc keeps freed heap pages mapped
-// (engine::configure_threads), and pages already faulted in as 4 KiB stay so
-// after madvise. Packed from the heap, the q/k/v, o and down projections of
-// the Qwen3-0.6B shape (8, 4 and 6 MiB per layer) had no huge pages and
-// streamed at ~18 GB/s against ~40 for gate/up (12 MiB, on huge pages).
-at::Tensor huge_page_copy(const at::Tensor& src) {
-  constexpr std::size_t kHuge = 2u << 20;
-  const std::size_t bytes = static_cast<std::size_t>(src.numel()) * src.element_size();
-  const std::size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
-  const std::size_t mapped = rounded + kHuge;  // room to align the start
-  void* m = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (m == MAP_FAILED) return src.contiguous();
-  char* base = static_cast<char*>(m);
-  char* p = reinterpret_cast<char*>((reinterpret_cast<std::uintptr_t>(base) + kHuge - 1) / kHuge * kHuge);
-  ::madvise(p, rounded, MADV_HUGEPAGE);  // advice only: failure leaves 4 KiB pages
-  at::Tensor dst = at::from_blob(
-      p, src.sizes(), [base, mapped](void*) { ::munmap(base, mapped); }, src.options());
-  dst.copy_(src);
-  return dst;
-}
-
 // What held thread 1 read ahead (PackedLinear::prefetch): the first
 // `panels` panels of the packed weights at `w`. One per holding thread.
 struct ReadAhead {
@@ -192,6 +167,10 @@ PackedLinear::PackedLinear(const std::vector<at::Tensor>& weights, const std::ve
     kp_ = k_;
     return;
   }
+  // Packed weights live on huge pages (kernels/memory.h): a decode step
+  // streams all of them. Packed on the heap, the q/k/v, o and down
+  // projections of the Qwen3-0.6B shape (8, 4 and 6 MiB per layer) had no
+  // huge pages and streamed at ~18 GB/s against ~40 for gate/up (12 MiB).
   const std::int64_t panels = (n_ + kPanel - 1) / kPanel;
   if (dtype == at::kBFloat16) {
     // [Np, Kp] -> [P, 64, Kp/2, 2] -> [P, Kp/2, 64, 2]

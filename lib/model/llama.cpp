@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "common/error.h"
+#include "kernels/memory.h"
 #include "kernels/ops.h"
 #include "kernels/pool.h"
 #include "model/rope.h"
@@ -80,9 +81,15 @@ ForwardWork LlamaFamily::forward_work() const {
 KVCache LlamaFamily::new_cache(std::int64_t batch, std::int64_t capacity) const {
   KVCache c;
   c.capacity = capacity;
+  // One block on huge pages for all layers (kernels/memory.h): each decode
+  // step reads all of it. On 4 KiB pages the attention of a batch-8 decode
+  // step took 1.01-1.18x as long (3 alternating runs on a Zen 5 EPYC;
+  // docs/benchmarks.md, 2026-12-05 second session).
+  const at::Tensor all =
+      kernels::huge_page_zeros({2, cfg_.num_layers, batch, cfg_.num_kv_heads, capacity, cfg_.head_dim}, dtype_);
   for (std::int64_t i = 0; i < cfg_.num_layers; ++i) {
-    c.k.push_back(at::zeros({batch, cfg_.num_kv_heads, capacity, cfg_.head_dim}, at::TensorOptions().dtype(dtype_)));
-    c.v.push_back(at::zeros({batch, cfg_.num_kv_heads, capacity, cfg_.head_dim}, at::TensorOptions().dtype(dtype_)));
+    c.k.push_back(all[0][i]);
+    c.v.push_back(all[1][i]);
   }
   return c;
 }

@@ -84,9 +84,12 @@ KVCache LlamaFamily::new_cache(std::int64_t batch, std::int64_t capacity) const 
   // One block on huge pages for all layers (kernels/memory.h): each decode
   // step reads all of it. On 4 KiB pages the attention of a batch-8 decode
   // step took 1.01-1.18x as long (3 alternating runs on a Zen 5 EPYC;
-  // docs/benchmarks.md, 2026-12-05 second session).
+  // docs/benchmarks.md, 2026-12-05 second session). The block of the
+  // previous cache is reused when it fits, its pages already faulted in
+  // (a batch-8, 256-token prefill had spent ~4 % of its time in the OS's
+  // page zeroing: 2026-12-05 fourth session).
   const at::Tensor all =
-      kernels::huge_page_zeros({2, cfg_.num_layers, batch, cfg_.num_kv_heads, capacity, cfg_.head_dim}, dtype_);
+      kernels::recycled_huge_page_zeros({2, cfg_.num_layers, batch, cfg_.num_kv_heads, capacity, cfg_.head_dim}, dtype_);
   for (std::int64_t i = 0; i < cfg_.num_layers; ++i) {
     c.k.push_back(all[0][i]);
     c.v.push_back(all[1][i]);

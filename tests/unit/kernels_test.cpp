@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -18,6 +19,7 @@
 #include "common/error.h"
 #include "engine/runtime.h"
 #include "kernels/linear.h"
+#include "kernels/memory.h"
 #include "kernels/pool.h"
 
 using dmi::kernels::Isa;
@@ -650,4 +652,55 @@ TEST_CASE("kernels and ops: one thread computes the same bits as all of them, at
       CHECK(same_bits(one[i], held[i]));
     }
   }
+}
+
+TEST_CASE("memory: a freed KV-cache block is reused, zeroed, by the next call that fits; two are kept") {
+  using dmi::kernels::recycled_huge_page_zeros;
+  using dmi::kernels::release_kept_huge_pages;
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  release_kept_huge_pages();  // what earlier tests' caches left
+  at::Tensor a = recycled_huge_page_zeros({3, 1000}, at::kFloat);
+  CHECK(a.eq(0).all().item<bool>());
+  const void* first = a.data_ptr();
+  CHECK(reinterpret_cast<std::uintptr_t>(first) % (2 * MiB) == 0);
+  a.fill_(7);
+  at::Tensor view = a[1];
+  a = at::Tensor();
+  // The view still holds the block: a new call maps another.
+  at::Tensor other = recycled_huge_page_zeros({3, 1000}, at::kFloat);
+  CHECK(other.data_ptr() != first);
+  view = at::Tensor();
+  other = at::Tensor();
+  // Both kept now (the first freed first); the next call takes it back, all zeros again.
+  at::Tensor b = recycled_huge_page_zeros({2, 1000}, at::kBFloat16);
+  CHECK(b.data_ptr() == first);
+  CHECK(b.eq(0).all().item<bool>());
+  b = at::Tensor();
+  CHECK(release_kept_huge_pages() == 2 * 2 * MiB);
+  CHECK(release_kept_huge_pages() == 0);
+
+  // A block too small is not taken; the smallest that fits is.
+  at::Tensor small = recycled_huge_page_zeros({static_cast<std::int64_t>(MiB)}, at::kFloat);         // 4 MiB
+  at::Tensor large = recycled_huge_page_zeros({static_cast<std::int64_t>(2 * MiB)}, at::kFloat);     // 8 MiB
+  const void* small_at = small.data_ptr();
+  const void* large_at = large.data_ptr();
+  small.fill_(1);
+  large.fill_(2);
+  small = at::Tensor();
+  large = at::Tensor();
+  at::Tensor fits_small = recycled_huge_page_zeros({static_cast<std::int64_t>(3 * MiB / 4)}, at::kFloat);  // 3 MiB
+  CHECK(fits_small.data_ptr() == small_at);
+  CHECK(fits_small.eq(0).all().item<bool>());
+  at::Tensor fits_large = recycled_huge_page_zeros({static_cast<std::int64_t>(MiB + 1)}, at::kFloat);  // > 4 MiB
+  CHECK(fits_large.data_ptr() == large_at);
+  CHECK(fits_large.eq(0).all().item<bool>());
+  at::Tensor fresh = recycled_huge_page_zeros({static_cast<std::int64_t>(MiB / 4)}, at::kFloat);  // none kept
+  CHECK(fresh.data_ptr() != small_at);
+  CHECK(fresh.data_ptr() != large_at);
+
+  // Three freed, the two freed last are kept: 4 + 8 MiB, not the 2 MiB one.
+  fresh = at::Tensor();
+  fits_small = at::Tensor();
+  fits_large = at::Tensor();
+  CHECK(release_kept_huge_pages() == 12 * MiB);
 }

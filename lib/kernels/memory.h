@@ -28,7 +28,7 @@ at::Tensor huge_page_zeros(c10::IntArrayRef sizes, c10::ScalarType dtype);
 // its mapping, pages still faulted in, is kept for the next call that fits
 // in it, which zeroes it with memset. A fresh mapping's first touch costs a
 // page fault and the OS's zeroing per page, several times a memset on a
-// virtual machine: a batch-8, 256-token prefill spent ~4 % of its samples
+// virtual machine: a batch-8, 256-token prefill spent 3-4 % of its samples
 // in the kernel's clear_page on a Zen 5 EPYC VM (docs/benchmarks.md,
 // 2026-12-05 fourth session). At most kKeptMappings mappings are kept (the
 // most recently freed), holding their memory until reused or

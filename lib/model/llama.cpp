@@ -86,7 +86,7 @@ KVCache LlamaFamily::new_cache(std::int64_t batch, std::int64_t capacity) const 
   // step took 1.01-1.18x as long (3 alternating runs on a Zen 5 EPYC;
   // docs/benchmarks.md, 2026-12-05 second session). The block of the
   // previous cache is reused when it fits, its pages already faulted in
-  // (a batch-8, 256-token prefill had spent ~4 % of its time in the OS's
+  // (a batch-8, 256-token prefill had spent 3-4 % of its time in the OS's
   // page zeroing: 2026-12-05 fourth session).
   const at::Tensor all =
       kernels::recycled_huge_page_zeros({2, cfg_.num_layers, batch, cfg_.num_kv_heads, capacity, cfg_.head_dim}, dtype_);

@@ -2,6 +2,7 @@
 
 #include "common/error.h"
 #include "kernels/linear.h"
+#include "kernels/memory.h"
 #include "model/causal_lm.h"
 
 #include <ATen/Parallel.h>
@@ -142,10 +143,11 @@ int configure_threads(int n) {
   // 256-token prefills (model load included) on a 2-core VM, where page
   // faults are expensive. Keep freed memory in the
   // heap instead (blocks above 32 MiB, glibc's largest threshold, are still
-  // mapped per allocation).
+  // mapped per allocation: kernels::install_large_block_cache keeps those).
   static const bool allocator = [] {
     ::mallopt(M_MMAP_THRESHOLD, 32 << 20);
     ::mallopt(M_TRIM_THRESHOLD, 1 << 30);
+    kernels::install_large_block_cache();
     return true;
   }();
   (void)allocator;

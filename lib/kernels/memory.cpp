@@ -1,12 +1,15 @@
 #include "kernels/memory.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
 
 #include <sys/mman.h>
 
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 namespace dmi::kernels {
@@ -76,7 +79,139 @@ bool take_kept(std::size_t bytes, Mapping& out) {
   return true;
 }
 
+// ---- the large-block cache behind ATen's CPU allocator -------------------
+
+// Everything here lives until the process ends: a tensor freed during static
+// destruction still finds its block.
+struct LargeBlocks {
+  std::mutex mutex;
+  std::unordered_map<void*, Mapping> live;  // by Mapping::p
+  std::vector<Mapping> kept;                // oldest first
+  std::size_t kept_bytes = 0;
+  LargeBlockStats stats;
+  c10::Allocator* fallback = nullptr;  // the allocator installed before
+  c10::DeleterFnPtr fallback_raw_deleter = nullptr;
+};
+LargeBlocks& large_blocks() {
+  static LargeBlocks* b = new LargeBlocks;
+  return *b;
+}
+
+// The deleter of every large block, and the raw deleter of the wrapped
+// allocator: a pointer that is not a live large block came from the
+// fallback's raw interface.
+void free_block(void* p) {
+  LargeBlocks& b = large_blocks();
+  std::vector<Mapping> evicted;
+  {
+    std::lock_guard<std::mutex> lock(b.mutex);
+    const auto it = b.live.find(p);
+    if (it != b.live.end()) {
+      const Mapping m = it->second;
+      b.live.erase(it);
+      if (m.usable > kKeptLargeBytes) {
+        evicted.push_back(m);
+      } else {
+        b.kept.push_back(m);
+        b.kept_bytes += m.usable;
+        std::size_t drop = 0;
+        while (b.kept_bytes > kKeptLargeBytes) {
+          b.kept_bytes -= b.kept[drop].usable;
+          evicted.push_back(b.kept[drop++]);
+        }
+        b.kept.erase(b.kept.begin(), b.kept.begin() + static_cast<std::ptrdiff_t>(drop));
+      }
+      p = nullptr;
+    }
+  }
+  for (const Mapping& m : evicted) ::munmap(m.base, m.mapped);
+  if (p) b.fallback_raw_deleter(p);
+}
+
+class LargeBlockAllocator final : public c10::Allocator {
+ public:
+  // LibTorch 2.3 made allocate() non-const and added copy_data(); both
+  // forms are defined, without `override`, so that this compiles against
+  // 1.13 and 2.x alike.
+  c10::DataPtr allocate(std::size_t n) const { return allocate_block(n); }
+  c10::DataPtr allocate(std::size_t n) { return allocate_block(n); }
+  c10::DeleterFnPtr raw_deleter() const override {
+    return large_blocks().fallback_raw_deleter ? &free_block : nullptr;
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const {
+    if (count) std::memcpy(dest, src, count);
+  }
+
+ private:
+  static c10::DataPtr allocate_block(std::size_t n) {
+    LargeBlocks& b = large_blocks();
+    if (n < kLargeBlock) return b.fallback->allocate(n);
+    Mapping m;
+    bool found = false;
+    {
+      std::lock_guard<std::mutex> lock(b.mutex);
+      auto best = b.kept.end();
+      for (auto it = b.kept.begin(); it != b.kept.end(); ++it)
+        if (it->usable >= n && it->usable / 2 <= n && (best == b.kept.end() || it->usable < best->usable)) best = it;
+      if (best != b.kept.end()) {
+        m = *best;
+        b.kept_bytes -= m.usable;
+        b.kept.erase(best);
+        found = true;
+        ++b.stats.reused;
+      }
+    }
+    if (!found) {
+      if (!map_huge(n, m)) return b.fallback->allocate(n);
+      std::lock_guard<std::mutex> lock(b.mutex);
+      ++b.stats.mapped;
+    }
+    {
+      std::lock_guard<std::mutex> lock(b.mutex);
+      b.live.emplace(m.p, m);
+    }
+    return {m.p, m.p, &free_block, c10::Device(c10::DeviceType::CPU)};
+  }
+};
+
 }  // namespace
+
+void install_large_block_cache() {
+  static const bool installed = [] {
+    LargeBlocks& b = large_blocks();
+    b.fallback = c10::GetCPUAllocator();
+    b.fallback_raw_deleter = b.fallback->raw_deleter();
+    static LargeBlockAllocator* allocator = new LargeBlockAllocator;
+    c10::SetCPUAllocator(allocator, /*priority=*/1);
+    return true;
+  }();
+  (void)installed;
+}
+
+LargeBlockStats large_block_stats() {
+  LargeBlocks& b = large_blocks();
+  std::lock_guard<std::mutex> lock(b.mutex);
+  LargeBlockStats s = b.stats;
+  s.kept_blocks = b.kept.size();
+  s.kept_bytes = b.kept_bytes;
+  return s;
+}
+
+std::size_t release_kept_large_blocks() {
+  LargeBlocks& b = large_blocks();
+  std::vector<Mapping> kept;
+  {
+    std::lock_guard<std::mutex> lock(b.mutex);
+    kept.swap(b.kept);
+    b.kept_bytes = 0;
+  }
+  std::size_t bytes = 0;
+  for (const Mapping& m : kept) {
+    bytes += m.usable;
+    ::munmap(m.base, m.mapped);
+  }
+  return bytes;
+}
 
 at::Tensor huge_page_zeros(c10::IntArrayRef sizes, c10::ScalarType dtype) {
   Mapping m;

@@ -42,4 +42,34 @@ std::size_t release_kept_huge_pages();
 // A contiguous copy of src in such memory.
 at::Tensor huge_page_copy(const at::Tensor& src);
 
+// ATen's CPU allocator, wrapped so that blocks of kLargeBlock bytes or more
+// are reused instead of mapped and unmapped per tensor. glibc serves them
+// with mmap whatever its threshold (32 MiB is the most it can be set to),
+// so a long prefill's intermediates (a batch-8, 1024-token prefill's
+// gate/up output is 96 MiB in bf16) page-faulted and zeroed every page of
+// every layer again: ~1.06 M 4 KiB faults per run, and 1.45-1.49x the
+// prefill rate when glibc was told to keep them in the heap
+// (docs/benchmarks.md, 2026-12-05 fourth session). A freed large block
+// stays mapped, advised for huge pages, for the next allocation it fits
+// (the smallest such, at most twice the request); the most recently freed
+// blocks up to kKeptLargeBytes are kept, older ones unmapped. Smaller
+// blocks go to the allocator that was installed before, unchanged. Reused
+// memory holds stale bytes, as malloc's does: ATen never promises zeros.
+// Installing is idempotent and process-wide; tensors allocated before keep
+// their own deleters.
+void install_large_block_cache();
+constexpr std::size_t kLargeBlock = std::size_t{32} << 20;
+constexpr std::size_t kKeptLargeBytes = std::size_t{512} << 20;
+
+struct LargeBlockStats {
+  std::size_t mapped = 0;       // allocations served by a fresh mapping
+  std::size_t reused = 0;       // allocations served by a kept block
+  std::size_t kept_blocks = 0;  // freed blocks held now
+  std::size_t kept_bytes = 0;
+};
+LargeBlockStats large_block_stats();
+
+// Unmaps the blocks the cache keeps; returns their bytes.
+std::size_t release_kept_large_blocks();
+
 }  // namespace dmi::kernels

@@ -2,6 +2,7 @@
 // other, and against themselves at other batch sizes (bitwise).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/CPUAllocator.h>
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
@@ -703,4 +704,102 @@ TEST_CASE("memory: a freed KV-cache block is reused, zeroed, by the next call th
   fits_small = at::Tensor();
   fits_large = at::Tensor();
   CHECK(release_kept_huge_pages() == 12 * MiB);
+}
+
+TEST_CASE("memory: ATen's CPU blocks of 32 MiB or more are reused after they are freed; smaller ones are not touched") {
+  using namespace dmi::kernels;
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  const auto floats = [](std::size_t bytes) { return static_cast<std::int64_t>(bytes / sizeof(float)); };
+  install_large_block_cache();
+  install_large_block_cache();  // idempotent: a second wrapper would see the first as its fallback
+  release_kept_large_blocks();
+  const LargeBlockStats start = large_block_stats();
+  CHECK(start.kept_blocks == 0);
+
+  at::Tensor a = at::empty({floats(kLargeBlock)}, at::kFloat);
+  void* const first = a.data_ptr();
+  CHECK(reinterpret_cast<std::uintptr_t>(first) % (2 * MiB) == 0);
+  a.fill_(3);
+  at::Tensor view = a.narrow(0, 5, 10);
+  a = at::Tensor();
+  CHECK(large_block_stats().kept_blocks == 0);  // the view holds it
+  view = at::Tensor();
+  LargeBlockStats s = large_block_stats();
+  CHECK(s.mapped == start.mapped + 1);
+  CHECK(s.kept_blocks == 1);
+  CHECK(s.kept_bytes == kLargeBlock);
+
+  // The next large allocation that fits takes it back, contents as they were
+  // (at::empty promises nothing); at::zeros still zeroes.
+  at::Tensor b = at::empty({static_cast<std::int64_t>(kLargeBlock / sizeof(double))}, at::kDouble);
+  CHECK(b.data_ptr() == first);
+  CHECK(reinterpret_cast<const float*>(b.data_ptr())[7] == 3.0f);
+  b = at::Tensor();
+  at::Tensor z = at::zeros({floats(kLargeBlock)}, at::kFloat);
+  CHECK(z.data_ptr() == first);
+  CHECK(z.eq(0).all().item<bool>());
+  z = at::Tensor();
+  s = large_block_stats();
+  CHECK(s.reused == start.reused + 2);
+  CHECK(s.kept_blocks == 1);
+
+  // Small allocations go to the allocator underneath, through the raw
+  // interface as well.
+  at::Tensor small = at::empty({1000}, at::kFloat);
+  CHECK(small.data_ptr() != first);
+  small = at::Tensor();
+  c10::Allocator* cpu = c10::GetCPUAllocator();
+  REQUIRE(static_cast<bool>(cpu->raw_deleter()));
+  void* raw_small = cpu->raw_allocate(100);
+  std::memset(raw_small, 1, 100);
+  cpu->raw_deallocate(raw_small);
+  void* raw_large = cpu->raw_allocate(kLargeBlock);
+  CHECK(raw_large == first);
+  cpu->raw_deallocate(raw_large);
+  s = large_block_stats();
+  CHECK(s.mapped == start.mapped + 1);
+  CHECK(s.reused == start.reused + 3);
+  CHECK(s.kept_blocks == 1);
+
+  // The smallest kept block that fits, and never one more than twice the
+  // request: a 34 MiB request does not take an 80 MiB block, a 40 MiB one does.
+  at::Tensor big = at::empty({floats(80 * MiB)}, at::kFloat);
+  void* const big_at = big.data_ptr();
+  big = at::Tensor();
+  at::Tensor mid = at::empty({floats(34 * MiB)}, at::kFloat);
+  CHECK(mid.data_ptr() != big_at);
+  CHECK(mid.data_ptr() != first);
+  at::Tensor fits = at::empty({floats(40 * MiB)}, at::kFloat);
+  CHECK(fits.data_ptr() == big_at);
+  mid = at::Tensor();
+  fits = at::Tensor();
+
+  // Freed from another thread, as ATen's workers may.
+  at::Tensor elsewhere = at::empty({floats(kLargeBlock)}, at::kFloat);
+  std::thread([t = std::move(elsewhere)]() mutable { t = at::Tensor(); }).join();
+  CHECK(large_block_stats().kept_blocks == 3);
+  CHECK(release_kept_large_blocks() == (32 + 80 + 34) * MiB);
+  CHECK(large_block_stats().kept_bytes == 0);
+
+  // The most recently freed blocks up to kKeptLargeBytes are kept; a block
+  // larger than that never is.
+  std::vector<at::Tensor> many;
+  std::vector<void*> at_;
+  const std::size_t each = 96 * MiB;
+  const std::size_t count = kKeptLargeBytes / each + 1;
+  for (std::size_t i = 0; i < count; ++i) {
+    many.push_back(at::empty({floats(each)}, at::kFloat));
+    at_.push_back(many.back().data_ptr());
+  }
+  many.clear();  // freed in order: the first is the oldest
+  s = large_block_stats();
+  CHECK(s.kept_blocks == count - 1);
+  CHECK(s.kept_bytes == (count - 1) * each);
+  at::Tensor again = at::empty({floats(each)}, at::kFloat);
+  CHECK(again.data_ptr() != at_.front());
+  again = at::Tensor();
+  at::Tensor huge = at::empty({floats(kKeptLargeBytes + 2 * MiB)}, at::kFloat);
+  huge = at::Tensor();
+  CHECK(large_block_stats().kept_bytes <= kKeptLargeBytes);
+  release_kept_large_blocks();
 }

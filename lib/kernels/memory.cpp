@@ -107,20 +107,16 @@ void free_block(void* p) {
     std::lock_guard<std::mutex> lock(b.mutex);
     const auto it = b.live.find(p);
     if (it != b.live.end()) {
-      const Mapping m = it->second;
+      const Mapping m = it->second;  // m.usable <= kKeptLargeBytes (allocate_block)
       b.live.erase(it);
-      if (m.usable > kKeptLargeBytes) {
-        evicted.push_back(m);
-      } else {
-        b.kept.push_back(m);
-        b.kept_bytes += m.usable;
-        std::size_t drop = 0;
-        while (b.kept_bytes > kKeptLargeBytes) {
-          b.kept_bytes -= b.kept[drop].usable;
-          evicted.push_back(b.kept[drop++]);
-        }
-        b.kept.erase(b.kept.begin(), b.kept.begin() + static_cast<std::ptrdiff_t>(drop));
+      b.kept.push_back(m);
+      b.kept_bytes += m.usable;
+      std::size_t drop = 0;
+      while (b.kept_bytes > kKeptLargeBytes) {
+        b.kept_bytes -= b.kept[drop].usable;
+        evicted.push_back(b.kept[drop++]);
       }
+      b.kept.erase(b.kept.begin(), b.kept.begin() + static_cast<std::ptrdiff_t>(drop));
       p = nullptr;
     }
   }
@@ -145,7 +141,10 @@ class LargeBlockAllocator final : public c10::Allocator {
  private:
   static c10::DataPtr allocate_block(std::size_t n) {
     LargeBlocks& b = large_blocks();
-    if (n < kLargeBlock) return b.fallback->allocate(n);
+    // A block the cache could not keep is not taken either: a one-off
+    // temporary of that size (a converted copy of a large embedding)
+    // would only be mapped on huge pages to be unmapped again.
+    if (n < kLargeBlock || n > kKeptLargeBytes) return b.fallback->allocate(n);
     Mapping m;
     bool found = false;
     {

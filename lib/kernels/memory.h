@@ -53,7 +53,8 @@ at::Tensor huge_page_copy(const at::Tensor& src);
 // stays mapped, advised for huge pages, for the next allocation it fits
 // (the smallest such, at most twice the request); the most recently freed
 // blocks up to kKeptLargeBytes are kept, older ones unmapped. Smaller
-// blocks go to the allocator that was installed before, unchanged. Reused
+// blocks, and blocks over kKeptLargeBytes, go to the allocator that was
+// installed before, unchanged. Reused
 // memory holds stale bytes, as malloc's does: ATen never promises zeros.
 // Installing is idempotent and process-wide; tensors allocated before keep
 // their own deleters.

@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "io/weights.h"
+#include "kernels/memory.h"
 #include "model/llama.h"
 #include "model/torchscript.h"
 
@@ -40,6 +41,9 @@ std::unique_ptr<CausalLM> load_model(const std::string& dir, at::ScalarType dtyp
   // variants (q/k/v biases, per-head q/k norms, sliding window) follow from
   // config.json and the weights present.
   auto m = std::make_unique<LlamaFamily>(std::move(cfg), weights, dtype);
+  // Loading frees large temporaries (for the Qwen3-0.6B shape one the size
+  // of the embedding, 311 MB); they are not a forward pass's working set.
+  kernels::release_kept_large_blocks();
   if (opts.fingerprint) {
     // After construction: the tensors served as views share these pages, so
     // hashing is the read the first forward pass would do anyway.

@@ -782,7 +782,7 @@ TEST_CASE("memory: ATen's CPU blocks of 32 MiB or more are reused after they are
   CHECK(large_block_stats().kept_bytes == 0);
 
   // The most recently freed blocks up to kKeptLargeBytes are kept; a block
-  // larger than that never is.
+  // larger than that is not the cache's at all.
   std::vector<at::Tensor> many;
   std::vector<void*> at_;
   const std::size_t each = 96 * MiB;
@@ -798,8 +798,18 @@ TEST_CASE("memory: ATen's CPU blocks of 32 MiB or more are reused after they are
   at::Tensor again = at::empty({floats(each)}, at::kFloat);
   CHECK(again.data_ptr() != at_.front());
   again = at::Tensor();
-  at::Tensor huge = at::empty({floats(kKeptLargeBytes + 2 * MiB)}, at::kFloat);
+  const LargeBlockStats before_huge = large_block_stats();
+  at::Tensor huge = at::empty({floats(kKeptLargeBytes + 4)}, at::kFloat);
   huge = at::Tensor();
-  CHECK(large_block_stats().kept_bytes <= kKeptLargeBytes);
+  s = large_block_stats();
+  CHECK(s.mapped == before_huge.mapped);
+  CHECK(s.reused == before_huge.reused);
+  CHECK(s.kept_bytes == before_huge.kept_bytes);
+  at::Tensor at_cap = at::empty({floats(kKeptLargeBytes)}, at::kFloat);  // the largest it takes
+  at_cap = at::Tensor();
+  s = large_block_stats();
+  CHECK(s.mapped == before_huge.mapped + 1);
+  CHECK(s.kept_blocks == 1);  // it pushed out every older one
+  CHECK(s.kept_bytes == kKeptLargeBytes);
   release_kept_large_blocks();
 }

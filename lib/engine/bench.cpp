@@ -67,10 +67,10 @@ std::optional<std::pair<double, double>> median_ci95(std::vector<double> v) {
 
 double measure_read_bandwidth_gbs(std::size_t bytes) {
   // From malloc, not ATen's allocator: a probe of up to 512 MiB would be
-  // kept by kernels::install_large_block_cache, in a process's RSS, after
-  // it is freed. And on the Zen 5 VM of docs/benchmarks.md (2026-12-06)
-  // decode steps after a probe in a huge-page mapping ran ~4 % slower, b1
-  // median of 5 alternating rounds (cause not found).
+  // kept by kernels::install_large_block_cache, in the process's RSS,
+  // after it is freed. And on a Zen 5 VM the decode steps after a probe in
+  // a huge-page mapping ran slower (b1 TPOT 29.4 against 25.5 ms, 3
+  // rounds; cause not found: docs/benchmarks.md, 2026-12-06).
   float* raw = static_cast<float*>(std::malloc(bytes));
   DMI_CHECK(raw, "read-bandwidth probe: cannot allocate {} bytes", bytes);
   at::Tensor buf = at::from_blob(raw, {static_cast<std::int64_t>(bytes / 4)}, [](void* p) { std::free(p); }, at::kFloat);

@@ -127,11 +127,12 @@ void free_block(void* p) {
 class LargeBlockAllocator final : public c10::Allocator {
  public:
   // LibTorch 2.3 made allocate() non-const and added copy_data(); both
-  // forms are defined, without `override`, so that this compiles against
-  // 1.13 and 2.x alike.
+  // forms are defined, and no member says `override` (clang warns when
+  // some do and others cannot), so that this compiles against 1.13 and
+  // 2.x alike.
   c10::DataPtr allocate(std::size_t n) const { return allocate_block(n); }
   c10::DataPtr allocate(std::size_t n) { return allocate_block(n); }
-  c10::DeleterFnPtr raw_deleter() const override {
+  c10::DeleterFnPtr raw_deleter() const {
     return large_blocks().fallback_raw_deleter ? &free_block : nullptr;
   }
   void copy_data(void* dest, const void* src, std::size_t count) const {
@@ -160,13 +161,10 @@ class LargeBlockAllocator final : public c10::Allocator {
         ++b.stats.reused;
       }
     }
-    if (!found) {
-      if (!map_huge(n, m)) return b.fallback->allocate(n);
-      std::lock_guard<std::mutex> lock(b.mutex);
-      ++b.stats.mapped;
-    }
+    if (!found && !map_huge(n, m)) return b.fallback->allocate(n);
     {
       std::lock_guard<std::mutex> lock(b.mutex);
+      if (!found) ++b.stats.mapped;
       b.live.emplace(m.p, m);
     }
     return {m.p, m.p, &free_block, c10::Device(c10::DeviceType::CPU)};

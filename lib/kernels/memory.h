@@ -47,9 +47,9 @@ at::Tensor huge_page_copy(const at::Tensor& src);
 // with mmap whatever its threshold (32 MiB is the most it can be set to),
 // so a long prefill's intermediates (a batch-8, 1024-token prefill's
 // gate/up output is 96 MiB in bf16) page-faulted and zeroed every page of
-// every layer again: ~1.06 M 4 KiB faults per run, and 1.45-1.49x the
-// prefill rate when glibc was told to keep them in the heap
-// (docs/benchmarks.md, 2026-12-05 fourth session). A freed large block
+// every layer again: ~1.06 M 4 KiB faults per run. With this cache that
+// prefill runs 1.40-1.44x as fast, an fp32 256 x 8 one 1.72x
+// (docs/benchmarks.md, 2026-12-06). A freed large block
 // stays mapped, advised for huge pages, for the next allocation it fits
 // (the smallest such, at most twice the request); the most recently freed
 // blocks up to kKeptLargeBytes are kept, older ones unmapped. Smaller

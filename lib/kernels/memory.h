@@ -49,15 +49,16 @@ at::Tensor huge_page_copy(const at::Tensor& src);
 // gate/up output is 96 MiB in bf16) page-faulted and zeroed every page of
 // every layer again: ~1.06 M 4 KiB faults per run. With this cache that
 // prefill runs 1.40-1.44x as fast, an fp32 256 x 8 one 1.72x
-// (docs/benchmarks.md, 2026-12-06). A freed large block
-// stays mapped, advised for huge pages, for the next allocation it fits
-// (the smallest such, at most twice the request); the most recently freed
-// blocks up to kKeptLargeBytes are kept, older ones unmapped. Smaller
-// blocks, and blocks over kKeptLargeBytes, go to the allocator that was
-// installed before, unchanged. Reused
-// memory holds stale bytes, as malloc's does: ATen never promises zeros.
-// Installing is idempotent and process-wide; tensors allocated before keep
-// their own deleters.
+// (docs/benchmarks.md, 2026-12-06).
+//
+// A freed large block stays mapped, advised for huge pages, for the next
+// allocation it fits (the smallest such, at most twice the request); the
+// most recently freed blocks up to kKeptLargeBytes are kept, older ones
+// unmapped. Smaller blocks, and blocks over kKeptLargeBytes, go to the
+// allocator that was installed before, unchanged. Reused memory holds
+// stale bytes, as malloc's does: ATen never promises zeros. Installing is
+// idempotent and process-wide; tensors allocated before keep their own
+// deleters.
 void install_large_block_cache();
 constexpr std::size_t kLargeBlock = std::size_t{32} << 20;
 constexpr std::size_t kKeptLargeBytes = std::size_t{512} << 20;

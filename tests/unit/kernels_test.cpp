@@ -706,7 +706,7 @@ TEST_CASE("memory: a freed KV-cache block is reused, zeroed, by the next call th
   CHECK(release_kept_huge_pages() == 12 * MiB);
 }
 
-TEST_CASE("memory: ATen's CPU blocks of 32 MiB or more are reused after they are freed; smaller ones are not touched") {
+TEST_CASE("memory: ATen's CPU blocks of 32 to 512 MiB are reused after they are freed; other sizes are not touched") {
   using namespace dmi::kernels;
   constexpr std::size_t MiB = std::size_t{1} << 20;
   const auto floats = [](std::size_t bytes) { return static_cast<std::int64_t>(bytes / sizeof(float)); };

@@ -8,8 +8,11 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <mutex>
+#include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace dmi::kernels {
@@ -42,53 +45,89 @@ bool map_huge(std::size_t bytes, Mapping& m) {
   return true;
 }
 
-// The mappings recycled_huge_page_zeros() keeps, oldest first. Never
-// destroyed: a tensor freed during static destruction still finds it.
-struct Kept {
-  std::mutex mutex;
-  std::vector<Mapping> mappings;
-};
-Kept& kept() {
-  static Kept* k = new Kept;
-  return *k;
-}
+// Freed mappings kept for reuse, oldest first: at most max_count of them
+// and max_bytes in all; what falls out is unmapped. Instances are never
+// destroyed: a tensor freed during static destruction still finds its pool.
+class KeptMappings {
+ public:
+  KeptMappings(std::size_t max_count, std::size_t max_bytes) : max_count_(max_count), max_bytes_(max_bytes) {}
 
-void keep(const Mapping& m) {
-  Mapping evicted;
-  {
-    Kept& k = kept();
-    std::lock_guard<std::mutex> lock(k.mutex);
-    k.mappings.push_back(m);
-    if (k.mappings.size() <= kKeptMappings) return;
-    evicted = k.mappings.front();
-    k.mappings.erase(k.mappings.begin());
+  // The smallest kept mapping that holds `bytes` and has at most
+  // `max_usable`, taken out of the pool.
+  bool take(std::size_t bytes, std::size_t max_usable, Mapping& out) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto best = kept_.end();
+    for (auto it = kept_.begin(); it != kept_.end(); ++it)
+      if (it->usable >= bytes && it->usable <= max_usable && (best == kept_.end() || it->usable < best->usable))
+        best = it;
+    if (best == kept_.end()) return false;
+    out = *best;
+    bytes_ -= best->usable;
+    kept_.erase(best);
+    return true;
   }
-  ::munmap(evicted.base, evicted.mapped);
-}
 
-// The smallest kept mapping that holds `bytes`, taken out of the pool.
-bool take_kept(std::size_t bytes, Mapping& out) {
-  Kept& k = kept();
-  std::lock_guard<std::mutex> lock(k.mutex);
-  auto best = k.mappings.end();
-  for (auto it = k.mappings.begin(); it != k.mappings.end(); ++it)
-    if (it->usable >= bytes && (best == k.mappings.end() || it->usable < best->usable)) best = it;
-  if (best == k.mappings.end()) return false;
-  out = *best;
-  k.mappings.erase(best);
-  return true;
+  void put(const Mapping& m) {
+    std::vector<Mapping> evicted;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      kept_.push_back(m);
+      bytes_ += m.usable;
+      std::size_t drop = 0;
+      while (kept_.size() - drop > max_count_ || bytes_ > max_bytes_) {
+        bytes_ -= kept_[drop].usable;
+        evicted.push_back(kept_[drop++]);
+      }
+      kept_.erase(kept_.begin(), kept_.begin() + static_cast<std::ptrdiff_t>(drop));
+    }
+    for (const Mapping& e : evicted) ::munmap(e.base, e.mapped);
+  }
+
+  // Unmaps every kept mapping; returns their usable bytes.
+  std::size_t release() {
+    std::vector<Mapping> kept;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      kept.swap(kept_);
+      bytes_ = 0;
+    }
+    std::size_t bytes = 0;
+    for (const Mapping& m : kept) {
+      bytes += m.usable;
+      ::munmap(m.base, m.mapped);
+    }
+    return bytes;
+  }
+
+  std::pair<std::size_t, std::size_t> count_and_bytes() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {kept_.size(), bytes_};
+  }
+
+ private:
+  const std::size_t max_count_, max_bytes_;
+  std::mutex mutex_;
+  std::vector<Mapping> kept_;
+  std::size_t bytes_ = 0;
+};
+
+constexpr std::size_t kNoLimit = std::numeric_limits<std::size_t>::max();
+
+// The KV-cache blocks recycled_huge_page_zeros() keeps.
+KeptMappings& kept_caches() {
+  static KeptMappings* k = new KeptMappings(kKeptMappings, kNoLimit);
+  return *k;
 }
 
 // ---- the large-block cache behind ATen's CPU allocator -------------------
 
-// Everything here lives until the process ends: a tensor freed during static
-// destruction still finds its block.
+// The blocks handed out (by Mapping::p), counters, and the allocator
+// underneath. Never destroyed, as the pools.
 struct LargeBlocks {
   std::mutex mutex;
-  std::unordered_map<void*, Mapping> live;  // by Mapping::p
-  std::vector<Mapping> kept;                // oldest first
-  std::size_t kept_bytes = 0;
-  LargeBlockStats stats;
+  std::unordered_map<void*, Mapping> live;
+  LargeBlockStats stats;  // mapped and reused; the kept counts are the pool's
+  KeptMappings kept{kNoLimit, kKeptLargeBytes};
   c10::Allocator* fallback = nullptr;  // the allocator installed before
   c10::DeleterFnPtr fallback_raw_deleter = nullptr;
 };
@@ -102,26 +141,17 @@ LargeBlocks& large_blocks() {
 // fallback's raw interface.
 void free_block(void* p) {
   LargeBlocks& b = large_blocks();
-  std::vector<Mapping> evicted;
+  Mapping m;  // m.p stays null for a pointer that is not a live block
   {
     std::lock_guard<std::mutex> lock(b.mutex);
     const auto it = b.live.find(p);
     if (it != b.live.end()) {
-      const Mapping m = it->second;  // m.usable <= kKeptLargeBytes (allocate_block)
+      m = it->second;
       b.live.erase(it);
-      b.kept.push_back(m);
-      b.kept_bytes += m.usable;
-      std::size_t drop = 0;
-      while (b.kept_bytes > kKeptLargeBytes) {
-        b.kept_bytes -= b.kept[drop].usable;
-        evicted.push_back(b.kept[drop++]);
-      }
-      b.kept.erase(b.kept.begin(), b.kept.begin() + static_cast<std::ptrdiff_t>(drop));
-      p = nullptr;
     }
   }
-  for (const Mapping& m : evicted) ::munmap(m.base, m.mapped);
-  if (p) b.fallback_raw_deleter(p);
+  if (m.p) b.kept.put(m);  // m.usable <= kKeptLargeBytes (allocate_block)
+  else b.fallback_raw_deleter(p);
 }
 
 class LargeBlockAllocator final : public c10::Allocator {
@@ -147,24 +177,11 @@ class LargeBlockAllocator final : public c10::Allocator {
     // would only be mapped on huge pages to be unmapped again.
     if (n < kLargeBlock || n > kKeptLargeBytes) return b.fallback->allocate(n);
     Mapping m;
-    bool found = false;
+    const bool reused = b.kept.take(n, 2 * n, m);
+    if (!reused && !map_huge(n, m)) return b.fallback->allocate(n);
     {
       std::lock_guard<std::mutex> lock(b.mutex);
-      auto best = b.kept.end();
-      for (auto it = b.kept.begin(); it != b.kept.end(); ++it)
-        if (it->usable >= n && it->usable / 2 <= n && (best == b.kept.end() || it->usable < best->usable)) best = it;
-      if (best != b.kept.end()) {
-        m = *best;
-        b.kept_bytes -= m.usable;
-        b.kept.erase(best);
-        found = true;
-        ++b.stats.reused;
-      }
-    }
-    if (!found && !map_huge(n, m)) return b.fallback->allocate(n);
-    {
-      std::lock_guard<std::mutex> lock(b.mutex);
-      if (!found) ++b.stats.mapped;
+      ++(reused ? b.stats.reused : b.stats.mapped);
       b.live.emplace(m.p, m);
     }
     return {m.p, m.p, &free_block, c10::Device(c10::DeviceType::CPU)};
@@ -187,28 +204,16 @@ void install_large_block_cache() {
 
 LargeBlockStats large_block_stats() {
   LargeBlocks& b = large_blocks();
-  std::lock_guard<std::mutex> lock(b.mutex);
-  LargeBlockStats s = b.stats;
-  s.kept_blocks = b.kept.size();
-  s.kept_bytes = b.kept_bytes;
+  LargeBlockStats s;
+  {
+    std::lock_guard<std::mutex> lock(b.mutex);
+    s = b.stats;
+  }
+  std::tie(s.kept_blocks, s.kept_bytes) = b.kept.count_and_bytes();
   return s;
 }
 
-std::size_t release_kept_large_blocks() {
-  LargeBlocks& b = large_blocks();
-  std::vector<Mapping> kept;
-  {
-    std::lock_guard<std::mutex> lock(b.mutex);
-    kept.swap(b.kept);
-    b.kept_bytes = 0;
-  }
-  std::size_t bytes = 0;
-  for (const Mapping& m : kept) {
-    bytes += m.usable;
-    ::munmap(m.base, m.mapped);
-  }
-  return bytes;
-}
+std::size_t release_kept_large_blocks() { return large_blocks().kept.release(); }
 
 at::Tensor huge_page_zeros(c10::IntArrayRef sizes, c10::ScalarType dtype) {
   Mapping m;
@@ -220,29 +225,16 @@ at::Tensor huge_page_zeros(c10::IntArrayRef sizes, c10::ScalarType dtype) {
 at::Tensor recycled_huge_page_zeros(c10::IntArrayRef sizes, c10::ScalarType dtype) {
   const std::size_t bytes = bytes_of(sizes, dtype);
   Mapping m;
-  if (take_kept(bytes, m)) {
+  if (kept_caches().take(bytes, kNoLimit, m)) {
     std::memset(m.p, 0, bytes);
   } else if (!map_huge(bytes, m)) {
     return at::zeros(sizes, at::TensorOptions().dtype(dtype));
   }
   return at::from_blob(
-      m.p, sizes, [m](void*) { keep(m); }, at::TensorOptions().dtype(dtype));
+      m.p, sizes, [m](void*) { kept_caches().put(m); }, at::TensorOptions().dtype(dtype));
 }
 
-std::size_t release_kept_huge_pages() {
-  std::vector<Mapping> mappings;
-  {
-    Kept& k = kept();
-    std::lock_guard<std::mutex> lock(k.mutex);
-    mappings.swap(k.mappings);
-  }
-  std::size_t bytes = 0;
-  for (const Mapping& m : mappings) {
-    bytes += m.usable;
-    ::munmap(m.base, m.mapped);
-  }
-  return bytes;
-}
+std::size_t release_kept_huge_pages() { return kept_caches().release(); }
 
 at::Tensor huge_page_copy(const at::Tensor& src) {
   at::Tensor dst = huge_page_zeros(src.sizes(), src.scalar_type());

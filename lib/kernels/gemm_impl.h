@@ -211,7 +211,9 @@ static inline void store_tile(const GemmArgs& a, int64_t m0, int mr, int64_t p, 
 // (vdpbf16ps, fp32 and widening kernels), at 7 rows 0.62-0.84x, at 9 and 10
 // rows 0.78-0.85x (vdpbf16ps and fp32; the widening kernel, which holds
 // more, was 1.10x slower at 10). 11 rows tied, 12 took twice as long
-// (docs/benchmarks.md, 2026-12-03 sixth session).
+// (docs/benchmarks.md, 2026-12-03 sixth session). AVX2 takes only one row
+// this way: its multi-row tiles are strips of the panel, which a whole-depth
+// tile would re-read from L2 while memory idles.
 // Decode-sized batches (more than OneMR rows, at most kSmallM; tiles of up to
 // SmallMR rows): every tile of a panel walks it kKBlock units at a time, so
 // the weights stream from memory once and without pause (the tiles share
@@ -258,7 +260,7 @@ constexpr int kWideMR = 2;
 
 template <int MaxMR, int SmallMR = MaxMR, int OneMR = MaxMR, int WideMR = 0, class Tile>
 static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
-  static_assert(OneMR >= MaxMR, "a batch that fits one prefill tile is one tile");
+  static_assert(OneMR <= kSmallM, "a one-tile batch is a decode-sized one");
   static_assert(2 * WideMR <= OneMR, "two panels of a wide tile fit the accumulator buffer");
   if (a.M <= OneMR) {
     alignas(64) float acc[OneMR * kPanel];
@@ -284,15 +286,16 @@ static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
     alignas(64) float acc[kSmallM * kPanel];
     // Indexed by the tile's first row; the same for every panel and k block.
     // The lines are split by rows among the first `rows` rows: all of them,
-    // or all but a short last tile (fewer than half of SmallMR rows: 6 + 6 +
-    // 2 at batch 14), which then requests nothing. On the AVX512-BF16 EPYC
+    // or all but a short last tile (fewer than half of SmallMR rows, after a
+    // whole one: 6 + 6 + 2 at batch 14), which then requests nothing. On the
+    // AVX512-BF16 EPYC
     // such a tile's own share had made batch-8 decode steps 1.10-1.18x as
     // long when batch 8 ran 6 + 2 here (vdpbf16ps and fp32 kernels;
     // docs/benchmarks.md, 2026-12-03), while even tiles (4 + 4 on the
     // widening kernels, 6 + 6 + 4 at batch 16) gain from sharing.
     Prefetch share[kSmallM];
     const int64_t tail = a.M % SmallMR;
-    const int64_t rows = tail > 0 && 2 * tail < SmallMR ? a.M - tail : a.M;
+    const int64_t rows = tail > 0 && 2 * tail < SmallMR && a.M > SmallMR ? a.M - tail : a.M;
     for_tiles<SmallMR>(0, a.M, [&](auto mr, int64_t m) {
       const int64_t b = m < rows ? m : rows, e = m + decltype(mr)::value < rows ? m + decltype(mr)::value : rows;
       share[m] = Prefetch{static_cast<int>(b * kUnitLines / rows), static_cast<int>(e * kUnitLines / rows)};

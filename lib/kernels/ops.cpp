@@ -242,9 +242,21 @@ DMI_CLONES void values_row_any(const bf16* p, const bf16* v, bf16* o, std::int64
 DMI_CLONES void scores_row_cloned(const float* q, const float* k, const bool* m, float* o, std::int64_t L, std::int64_t D, float s) { scores_row(q, k, m, o, L, D, s); }
 DMI_CLONES void scores_row_cloned(const bf16* q, const bf16* k, const bool* m, bf16* o, std::int64_t L, std::int64_t D, float s) { scores_row(q, k, m, o, L, D, s); }
 
-// The AVX-512 attention kernels (attention_avx512.cpp) run on this CPU.
+// The AVX-512 attention kernels (attention_avx512.cpp) run: the CPU has
+// AVX-512F and $DMI_KERNELS, read once per process, does not ask for less
+// (avx2 or scalar, e.g. to measure what a CPU without AVX-512 runs; aten
+// keeps them). The same bits either way. An invalid value is reported where
+// the projections are built, never from here (this may run in a parallel
+// region).
 bool has_avx512() {
-  static const bool yes = static_cast<int>(detect_isa()) >= static_cast<int>(Isa::avx512);
+  static const bool yes = [] {
+    Isa chosen = detect_isa();
+    try {
+      chosen = selected_isa();
+    } catch (const Error&) {
+    }
+    return static_cast<int>(chosen == Isa::aten ? detect_isa() : chosen) >= static_cast<int>(Isa::avx512);
+  }();
   return yes;
 }
 

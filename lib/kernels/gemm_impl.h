@@ -288,11 +288,10 @@ static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
     // The lines are split by rows among the first `rows` rows: all of them,
     // or all but a short last tile (fewer than half of SmallMR rows, after a
     // whole one: 6 + 6 + 2 at batch 14), which then requests nothing. On the
-    // AVX512-BF16 EPYC
-    // such a tile's own share had made batch-8 decode steps 1.10-1.18x as
-    // long when batch 8 ran 6 + 2 here (vdpbf16ps and fp32 kernels;
-    // docs/benchmarks.md, 2026-12-03), while even tiles (4 + 4 on the
-    // widening kernels, 6 + 6 + 4 at batch 16) gain from sharing.
+    // AVX512-BF16 EPYC such a tile's own share had made batch-8 decode steps
+    // 1.10-1.18x as long when batch 8 ran 6 + 2 here (vdpbf16ps and fp32
+    // kernels; docs/benchmarks.md, 2026-12-03), while even tiles (4 + 4 on
+    // the widening kernels, 6 + 6 + 4 at batch 16) gain from sharing.
     Prefetch share[kSmallM];
     const int64_t tail = a.M % SmallMR;
     const int64_t rows = tail > 0 && 2 * tail < SmallMR && a.M > SmallMR ? a.M - tail : a.M;

@@ -79,9 +79,9 @@ TEST_CASE("kernels: scalar, AVX2 and AVX-512 agree bit for bit; AVX512-BF16 with
     PackedLinear lin({w}, {at::Tensor()}, dtype, Isa::scalar);
     // 5 rows: one whole-depth tile; 8 and 9: one whole-depth tile with more accumulators than registers
     // (AVX-512; 9 in k blocks on the widening kernel); 12: decode-sized k blocks; 300: row blocks of whole tiles
-    // and a short one. AVX2: 1 row one whole-depth pass, 2 to 32 rows k blocks of 1- to 6-row tiles in strips
-    // (14: 6 + 6 + 2, the last without prefetches).
-    for (std::int64_t m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 14, 300}) {
+    // and a short one. AVX2: 1 row one whole-depth pass; 2 to 32 rows 4-row tiles of 16-column strips in k
+    // blocks (13: 4 + 4 + 4 + 1, the last without prefetches); 300: 5-row (bf16) or 6-row (fp32) tiles.
+    for (std::int64_t m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 300}) {
       const at::Tensor x = at::randn({m, 130}).to(dtype);
       const at::Tensor ref = lin.run(x, Isa::scalar);
       for (Isa isa : supported()) {

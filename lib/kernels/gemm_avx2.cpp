@@ -131,11 +131,10 @@ void strip(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, int64_t
 // One row: a single pass. More rows: four strips one after the other over
 // [k0, k1); the first issues the tile's prefetches (a strip reads one of
 // each unit's four lines, and the others follow it through the same units).
-template <int MR, bool Bf16, class Row>
-void tile(const GemmArgs& a, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first, Prefetch pf,
-          Row row) {
+template <int MR, bool Bf16>
+void tile(const GemmArgs& a, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first, Prefetch pf) {
   if constexpr (MR == 1) {
-    row(a, m, p, k0, k1, acc, first, pf);
+    (Bf16 ? row_bf16w : row_f32w)(a, m, p, k0, k1, acc, first, pf);
   } else {
     for (int c0 = 0; c0 < kPanel; c0 += 16)
       strip<MR, Bf16>(a, m, p, c0, k0, k1, acc, first, c0 == 0 ? pf : Prefetch{});
@@ -154,14 +153,14 @@ void tile(const GemmArgs& a, int64_t m, int64_t p, int64_t k0, int64_t k1, float
 void gemm_bf16w_avx2(const GemmArgs& a) {
   drive<5, 4, 1>(a, a.K / 2, [&](auto mr, auto, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
                                 Prefetch pf) {
-    tile<decltype(mr)::value, true>(a, m, p, k0, k1, acc, first, pf, row_bf16w);
+    tile<decltype(mr)::value, true>(a, m, p, k0, k1, acc, first, pf);
   });
 }
 
 void gemm_f32w_avx2(const GemmArgs& a) {
   drive<6, 4, 1>(a, a.K, [&](auto mr, auto, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
                             Prefetch pf) {
-    tile<decltype(mr)::value, false>(a, m, p, k0, k1, acc, first, pf, row_f32w);
+    tile<decltype(mr)::value, false>(a, m, p, k0, k1, acc, first, pf);
   });
 }
 

@@ -87,12 +87,17 @@ void strip(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, int64_t
     c##r##0 = _mm256_fmadd_ps(w0, b, c##r##0);     \
     c##r##1 = _mm256_fmadd_ps(w1, b, c##r##1);     \
   }
+  // The next unit whose line [pf.lo, pf.hi) this strip prefetches.
+  int64_t next_pf = k0 + ((pf.part - k0 % pf.parts) % pf.parts + pf.parts) % pf.parts;
   if constexpr (Bf16) {
     const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel + 2 * c0;
     const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
     for (int64_t kp = k0; kp < k1; ++kp) {
       const uint16_t* wk = w + kp * 2 * kPanel;
-      pf.at(wk - 2 * c0);  // the unit's first line
+      if (kp == next_pf) {
+        pf.at(wk - 2 * c0);  // relative to the unit's first line
+        next_pf += pf.parts;
+      }
       const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk));
       const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 16));
       {
@@ -112,7 +117,10 @@ void strip(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, int64_t
     const float* w = static_cast<const float*>(a.w) + p * a.K * kPanel + c0;
     for (int64_t k = k0; k < k1; ++k) {
       const float* wk = w + k * kPanel;
-      pf.at(wk - c0);
+      if (k == next_pf) {
+        pf.at(wk - c0);
+        next_pf += pf.parts;
+      }
       const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
       DMI_SIX_ROWS(DMI_FMA)
     }
@@ -129,15 +137,18 @@ void strip(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, int64_t
 #undef DMI_SIX_ROWS
 
 // One row: a single pass. More rows: four strips one after the other over
-// [k0, k1); the first issues the tile's prefetches (a strip reads one of
-// each unit's four lines, and the others follow it through the same units).
+// [k0, k1), each reading one of every unit's four lines; when the tile
+// prefetches, each strip prefetches its own line (gemm_impl.h, Prefetch).
 template <int MR, bool Bf16>
 void tile(const GemmArgs& a, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first, Prefetch pf) {
   if constexpr (MR == 1) {
     (Bf16 ? row_bf16w : row_f32w)(a, m, p, k0, k1, acc, first, pf);
   } else {
-    for (int c0 = 0; c0 < kPanel; c0 += 16)
-      strip<MR, Bf16>(a, m, p, c0, k0, k1, acc, first, c0 == 0 ? pf : Prefetch{});
+    for (int c0 = 0; c0 < kPanel; c0 += 16) {
+      const int line = c0 / 16;
+      strip<MR, Bf16>(a, m, p, c0, k0, k1, acc, first,
+                      pf.hi > pf.lo ? Prefetch{line, line + 1, pf.part, pf.parts} : Prefetch{});
+    }
   }
 }
 

@@ -47,8 +47,17 @@ constexpr int kUnitLines = 4;
 // for at a steady rate while all the tiles compute; when only the first tile
 // prefetched, memory idled while the others reused the block from L1 (Xeon,
 // 4 + 4 rows). A short last tile takes no share (drive()).
+// The AVX2 kernel's tiles walk a unit's four lines in four strips, one after
+// the other, and spread the prefetches instead: each strip takes its own
+// line, on the units k with k % parts == part, where drive() numbers the
+// decode-sized batch's prefetching tiles 0 .. parts - 1 (a tile with
+// lo == hi still prefetches nothing). Four lines per unit from the first
+// strip alone, a burst of 64 or 128 requests per k block, had kept batch-8
+// projections at 12-14 GB/s on a Zen 3 EPYC (docs/benchmarks.md, 2026-12-06
+// third session).
 struct Prefetch {
   int lo = 0, hi = 0;
+  int part = 0, parts = 1;
   inline void at(const void* unit) const {
     const char* c = static_cast<const char*>(unit) + kPrefetch;
     if (hi - lo == kUnitLines) {
@@ -297,7 +306,8 @@ static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
     const int64_t rows = tail > 0 && 2 * tail < SmallMR && a.M > SmallMR ? a.M - tail : a.M;
     for_tiles<SmallMR>(0, a.M, [&](auto mr, int64_t m) {
       const int64_t b = m < rows ? m : rows, e = m + decltype(mr)::value < rows ? m + decltype(mr)::value : rows;
-      share[m] = Prefetch{static_cast<int>(b * kUnitLines / rows), static_cast<int>(e * kUnitLines / rows)};
+      share[m] = Prefetch{static_cast<int>(b * kUnitLines / rows), static_cast<int>(e * kUnitLines / rows),
+                          static_cast<int>(m / SmallMR), static_cast<int>((rows + SmallMR - 1) / SmallMR)};
     });
     for (int64_t p = a.panel_begin; p < a.panel_end; ++p) {
       for (int64_t k0 = 0; k0 < units; k0 += kKBlock) {

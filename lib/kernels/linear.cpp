@@ -205,8 +205,16 @@ void PackedLinear::prefetch() const {
     for (std::int64_t p = 0; p < limit; ++p) {
       for (std::int64_t l = 0; l < lines; l += 64) {
         if (stop.load(std::memory_order_relaxed)) return;
+        // Loads, not prefetch instructions: the thread has nothing else to
+        // do, a load waits for its line where a prefetch beyond the core's
+        // outstanding misses may be dropped, and on a Zen 3 EPYC batch-1
+        // steps with prefetch instructions here took 1.01-1.02x as long
+        // (3 of 3 alternating rounds; docs/benchmarks.md).
         const char* c = w + (p * lines + l) * 64;
-        for (std::int64_t i = 0; i < 64 && l + i < lines; ++i) __builtin_prefetch(c + 64 * i, 0, 3);
+        std::uint64_t sink = 0;
+        for (std::int64_t i = 0; i < 64 && l + i < lines; ++i)
+          sink ^= *reinterpret_cast<const volatile std::uint64_t*>(c + 64 * i);
+        __asm__ volatile("" : : "r"(sink));  // the loads' result is used
       }
       done->store(p + 1, std::memory_order_relaxed);
     }

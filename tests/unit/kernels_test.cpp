@@ -390,9 +390,13 @@ TEST_CASE("ops: decode attention equals the matmul path and does not depend on t
     masked.select(3, L - 1).fill_(false);  // every query sees its own column
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
     at::Tensor s = dmi::kernels::attention_scores(q, keys, L, masked, scale);
-    // The matmul path of model/llama.cpp (prefill).
-    at::Tensor qg = q.view({B, 1, KV, G, D}).permute({0, 2, 3, 1, 4}).reshape({B, KV, G, D});
-    at::Tensor want = at::matmul(qg, keys.narrow(2, 0, L).transpose(-1, -2)).mul_(scale).reshape({B, H, 1, L});
+    // The same products as float64 matmuls. Not in the dtype: LibTorch
+    // 1.13's bf16 matmul on an AVX2-only CPU (no oneDNN bf16 kernel) is off
+    // from float64 by more than 2 bf16 ulps itself (a Zen 3 EPYC, 2026-12-06).
+    at::Tensor qg = q.to(at::kDouble).view({B, 1, KV, G, D}).permute({0, 2, 3, 1, 4}).reshape({B, KV, G, D});
+    at::Tensor want = at::matmul(qg, keys.narrow(2, 0, L).to(at::kDouble).transpose(-1, -2))
+                          .mul_(scale)
+                          .reshape({B, H, 1, L});
     want.masked_fill_(masked, -std::numeric_limits<double>::infinity());
     CHECK(at::equal(at::isinf(s), at::isinf(want)));
     at::Tensor finite = at::logical_not(at::isinf(want));
@@ -400,7 +404,7 @@ TEST_CASE("ops: decode attention equals the matmul path and does not depend on t
 
     at::Tensor p = at::softmax(s, -1, at::kFloat).to(dtype);
     at::Tensor z = dmi::kernels::attention_values(p, values, L);
-    at::Tensor zwant = at::matmul(p.reshape({B, KV, G, L}), values.narrow(2, 0, L))
+    at::Tensor zwant = at::matmul(p.to(at::kDouble).reshape({B, KV, G, L}), values.narrow(2, 0, L).to(at::kDouble))
                            .reshape({B, KV, G, 1, D}).permute({0, 3, 1, 2, 4}).reshape({B, 1, H, D});
     CHECK(excess(z, zwant, 2 * ulp, 1e-5) <= 0);
 

@@ -50,14 +50,14 @@ constexpr int kUnitLines = 4;
 // The AVX2 kernel's tiles walk a unit's four lines in four strips, one after
 // the other, and spread the prefetches instead: each strip takes its own
 // line, on the units k with k % parts == part, where drive() numbers the
-// decode-sized batch's prefetching tiles 0 .. parts - 1 (a tile with
-// lo == hi still prefetches nothing). Four lines per unit from the first
-// strip alone, a burst of 64 or 128 requests per k block, had kept batch-8
-// projections at 12-14 GB/s on a Zen 3 EPYC (docs/benchmarks.md, 2026-12-06
-// third session).
+// prefetching tiles 0 .. parts - 1 of a decode-sized batch (parts == 0: the
+// tile prefetches nothing; a whole-depth tile that prefetches is part 0 of
+// 1). Four lines per unit from the first strip alone, a burst of 64 or 128
+// requests per k block, had kept batch-8 projections at 12-14 GB/s on a
+// Zen 3 EPYC (docs/benchmarks.md, 2026-12-06 third session).
 struct Prefetch {
   int lo = 0, hi = 0;
-  int part = 0, parts = 1;
+  int part = 0, parts = 0;
   inline void at(const void* unit) const {
     const char* c = static_cast<const char*>(unit) + kPrefetch;
     if (hi - lo == kUnitLines) {
@@ -279,14 +279,14 @@ static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
         for (; p + 2 <= a.panel_end; p += 2)
           for_tiles<WideMR>(0, a.M, [&](auto mr, int64_t m) {
             constexpr int MR = decltype(mr)::value;
-            tile(mr, Int<2>{}, m, p, 0, units, acc, true, Prefetch{0, kUnitLines});
+            tile(mr, Int<2>{}, m, p, 0, units, acc, true, Prefetch{0, kUnitLines, 0, 1});
             store_tile(a, m, MR, p, acc);
             store_tile(a, m, MR, p + 1, acc + MR * kPanel);
           });
     }
     for (; p < a.panel_end; ++p)
       for_tiles<OneMR>(0, a.M, [&](auto mr, int64_t m) {
-        tile(mr, Int<1>{}, m, p, 0, units, acc, true, Prefetch{0, kUnitLines});
+        tile(mr, Int<1>{}, m, p, 0, units, acc, true, Prefetch{0, kUnitLines, 0, 1});
         store_tile(a, m, decltype(mr)::value, p, acc);
       });
     return;
@@ -307,7 +307,7 @@ static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
     for_tiles<SmallMR>(0, a.M, [&](auto mr, int64_t m) {
       const int64_t b = m < rows ? m : rows, e = m + decltype(mr)::value < rows ? m + decltype(mr)::value : rows;
       share[m] = Prefetch{static_cast<int>(b * kUnitLines / rows), static_cast<int>(e * kUnitLines / rows),
-                          static_cast<int>(m / SmallMR), static_cast<int>((rows + SmallMR - 1) / SmallMR)};
+                          static_cast<int>(m / SmallMR), m < rows ? static_cast<int>((rows + SmallMR - 1) / SmallMR) : 0};
     });
     for (int64_t p = a.panel_begin; p < a.panel_end; ++p) {
       for (int64_t k0 = 0; k0 < units; k0 += kKBlock) {
@@ -328,7 +328,7 @@ static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
     const int64_t me = a.M < mb + block ? a.M : mb + block;
     for (int64_t p = a.panel_begin; p < a.panel_end; ++p)
       for_tiles<MaxMR>(mb, me, [&](auto mr, int64_t m) {
-        tile(mr, Int<1>{}, m, p, 0, units, acc, true, m == mb ? Prefetch{0, kUnitLines} : Prefetch{});
+        tile(mr, Int<1>{}, m, p, 0, units, acc, true, m == mb ? Prefetch{0, kUnitLines, 0, 1} : Prefetch{});
         store_tile(a, m, decltype(mr)::value, p, acc);
       });
   }

@@ -306,8 +306,9 @@ static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
     const int64_t rows = tail > 0 && 2 * tail < SmallMR && a.M > SmallMR ? a.M - tail : a.M;
     for_tiles<SmallMR>(0, a.M, [&](auto mr, int64_t m) {
       const int64_t b = m < rows ? m : rows, e = m + decltype(mr)::value < rows ? m + decltype(mr)::value : rows;
+      const int parts = m < rows ? static_cast<int>((rows + SmallMR - 1) / SmallMR) : 0;  // 0: none (AVX2)
       share[m] = Prefetch{static_cast<int>(b * kUnitLines / rows), static_cast<int>(e * kUnitLines / rows),
-                          static_cast<int>(m / SmallMR), m < rows ? static_cast<int>((rows + SmallMR - 1) / SmallMR) : 0};
+                          static_cast<int>(m / SmallMR), parts};
     });
     for (int64_t p = a.panel_begin; p < a.panel_end; ++p) {
       for (int64_t k0 = 0; k0 < units; k0 += kKBlock) {

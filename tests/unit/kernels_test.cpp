@@ -391,8 +391,8 @@ TEST_CASE("ops: decode attention equals the matmul path and does not depend on t
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
     at::Tensor s = dmi::kernels::attention_scores(q, keys, L, masked, scale);
     // The same products as float64 matmuls. Not in the dtype: LibTorch
-    // 1.13's bf16 matmul on an AVX2-only CPU (no oneDNN bf16 kernel) is off
-    // from float64 by more than 2 bf16 ulps itself (a Zen 3 EPYC, 2026-12-06).
+    // 1.13's bf16 matmul on an AVX2-only CPU is itself off from float64 by
+    // more than 2 bf16 ulps (a Zen 3 EPYC, 2026-12-06).
     at::Tensor qg = q.to(at::kDouble).view({B, 1, KV, G, D}).permute({0, 2, 3, 1, 4}).reshape({B, KV, G, D});
     at::Tensor want = at::matmul(qg, keys.narrow(2, 0, L).to(at::kDouble).transpose(-1, -2))
                           .mul_(scale)

@@ -67,6 +67,8 @@ struct Prefetch {
     }
   }
 };
+// A tile that streams whole units and prefetches all their lines.
+constexpr Prefetch kWholeUnits{0, kUnitLines, 0, 1};
 
 struct GemmArgs {
   const void* x = nullptr;  // [M, x_stride]: bf16 (uint16) for the bf16-dot kernel, else float
@@ -279,14 +281,14 @@ static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
         for (; p + 2 <= a.panel_end; p += 2)
           for_tiles<WideMR>(0, a.M, [&](auto mr, int64_t m) {
             constexpr int MR = decltype(mr)::value;
-            tile(mr, Int<2>{}, m, p, 0, units, acc, true, Prefetch{0, kUnitLines, 0, 1});
+            tile(mr, Int<2>{}, m, p, 0, units, acc, true, kWholeUnits);
             store_tile(a, m, MR, p, acc);
             store_tile(a, m, MR, p + 1, acc + MR * kPanel);
           });
     }
     for (; p < a.panel_end; ++p)
       for_tiles<OneMR>(0, a.M, [&](auto mr, int64_t m) {
-        tile(mr, Int<1>{}, m, p, 0, units, acc, true, Prefetch{0, kUnitLines, 0, 1});
+        tile(mr, Int<1>{}, m, p, 0, units, acc, true, kWholeUnits);
         store_tile(a, m, decltype(mr)::value, p, acc);
       });
     return;
@@ -329,7 +331,7 @@ static inline void drive(const GemmArgs& a, int64_t units, Tile tile) {
     const int64_t me = a.M < mb + block ? a.M : mb + block;
     for (int64_t p = a.panel_begin; p < a.panel_end; ++p)
       for_tiles<MaxMR>(mb, me, [&](auto mr, int64_t m) {
-        tile(mr, Int<1>{}, m, p, 0, units, acc, true, m == mb ? Prefetch{0, kUnitLines, 0, 1} : Prefetch{});
+        tile(mr, Int<1>{}, m, p, 0, units, acc, true, m == mb ? kWholeUnits : Prefetch{});
         store_tile(a, m, decltype(mr)::value, p, acc);
       });
   }

@@ -13,6 +13,16 @@ namespace dmi::kernels::detail {
 
 namespace {
 
+// How far ahead (bytes) the one-row tiles prefetch: 1 KiB, four k units.
+// The AVX-512 kernels' 16 KiB (gemm_impl.h, kPrefetch) kept this kernel's
+// batch-1 projections ~0.85x as fast on a Zen 3 EPYC: a decode step's 113
+// projections of the Qwen3-0.6B shape, interleaved in one process, took
+// 39.2-41.6 ms (bf16) and 77.3 ms (fp32) at 16 KiB, 34.5-36.3 and 73.4 ms at
+// 1-1.25 KiB, 38.6 ms with no prefetch (docs/benchmarks.md, 2026-12-06
+// fourth session). The multi-row strips keep kPrefetch: at batch 8 they
+// slowed down below 8 KiB (1 KiB: 1.42x the time).
+constexpr int64_t kRowPrefetch = 1024;
+
 // One row: columns [0, 64) of panel p, 8 accumulators; each weight vector
 // is widened just before its two FMAs.
 void row_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, float* out, bool first,
@@ -24,7 +34,7 @@ void row_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1,
   for (int j = 0; j < 8; ++j) acc[j] = first ? _mm256_setzero_ps() : _mm256_load_ps(out + 8 * j);
   for (int64_t kp = k0; kp < k1; ++kp) {
     const uint16_t* wk = w + kp * 2 * kPanel;
-    pf.at(wk);
+    pf.at(wk, kRowPrefetch);
     const __m256 b0 = _mm256_broadcast_ss(x + 2 * kp);
     const __m256 b1 = _mm256_broadcast_ss(x + 2 * kp + 1);
     for (int j = 0; j < 8; ++j) {
@@ -44,7 +54,7 @@ void row_f32w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, 
   for (int j = 0; j < 8; ++j) acc[j] = first ? _mm256_setzero_ps() : _mm256_load_ps(out + 8 * j);
   for (int64_t k = k0; k < k1; ++k) {
     const float* wk = w + k * kPanel;
-    pf.at(wk);
+    pf.at(wk, kRowPrefetch);
     const __m256 b = _mm256_broadcast_ss(x + k);
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wk + 8 * j), b, acc[j]);
   }

@@ -58,8 +58,8 @@ constexpr int kUnitLines = 4;
 struct Prefetch {
   int lo = 0, hi = 0;
   int part = 0, parts = 0;
-  inline void at(const void* unit) const {
-    const char* c = static_cast<const char*>(unit) + kPrefetch;
+  inline void at(const void* unit, int64_t ahead = kPrefetch) const {
+    const char* c = static_cast<const char*>(unit) + ahead;
     if (hi - lo == kUnitLines) {
       for (int i = 0; i < kUnitLines; ++i) __builtin_prefetch(c + 64 * i, 0, 3);
     } else {

@@ -19,9 +19,13 @@ namespace {
 // projections of the Qwen3-0.6B shape, interleaved in one process, took
 // 39.2-41.6 ms (bf16) and 77.3 ms (fp32) at 16 KiB, 34.5-36.3 and 73.4 ms at
 // 1-1.25 KiB, 38.6 ms with no prefetch (docs/benchmarks.md, 2026-12-06
-// fourth session). The multi-row strips keep kPrefetch: at batch 8 they
-// slowed down below 8 KiB (1 KiB: 1.42x the time).
+// fourth session).
 constexpr int64_t kRowPrefetch = 1024;
+// The multi-row strips prefetch one k block (8 KiB, gemm_impl.h) ahead:
+// there, fp32 batch-4 and batch-8 projections took 0.91-0.94x the time of
+// 16 KiB, bf16 batch 8 0.96-0.98x, prefill tied; below 8 KiB they slowed
+// down (1 KiB: 1.42x the time at bf16 batch 8).
+constexpr int64_t kStripPrefetch = 8192;
 
 // One row: columns [0, 64) of panel p, 8 accumulators; each weight vector
 // is widened just before its two FMAs.
@@ -106,7 +110,7 @@ void strip(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, int64_t
     for (int64_t kp = k0; kp < k1; ++kp) {
       const uint16_t* wk = w + kp * 2 * kPanel;
       if (kp == next_pf) {
-        pf.at(wk - 2 * c0);  // relative to the unit's first line
+        pf.at(wk - 2 * c0, kStripPrefetch);  // relative to the unit's first line
         next_pf += pf.parts;
       }
       const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk));
@@ -129,7 +133,7 @@ void strip(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, int64_t
     for (int64_t k = k0; k < k1; ++k) {
       const float* wk = w + k * kPanel;
       if (k == next_pf) {
-        pf.at(wk - c0);
+        pf.at(wk - c0, kStripPrefetch);
         next_pf += pf.parts;
       }
       const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);

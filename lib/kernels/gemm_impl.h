@@ -143,6 +143,17 @@ void values_block_avx512(const uint16_t* const* probs, uint16_t* const* out, int
 void values_block_avx512(const float* const* probs, float* const* out, int rows, const float* values, int64_t L,
                          int64_t D, float* scratch);
 
+// The same blocks with AVX2 (attention_avx2.cpp, 8-lane registers; D a
+// multiple of 16, at most kBlockMaxD; the same scratch): the same bits.
+void scores_block_avx2(const uint16_t* const* q, const bool* const* masked, uint16_t* const* out, int rows,
+                       const uint16_t* keys, int64_t L, int64_t D, float scale, float* scratch);
+void scores_block_avx2(const float* const* q, const bool* const* masked, float* const* out, int rows,
+                       const float* keys, int64_t L, int64_t D, float scale, float* scratch);
+void values_block_avx2(const uint16_t* const* probs, uint16_t* const* out, int rows, const uint16_t* values,
+                       int64_t L, int64_t D, float* scratch);
+void values_block_avx2(const float* const* probs, float* const* out, int rows, const float* values, int64_t L,
+                       int64_t D, float* scratch);
+
 // Up to kManyRows rows of one KV head (prefill), the same rows as a block's
 // (the query heads of consecutive positions): scores, softmax and values in
 // one call, each key and value chunk widened once for all of them and the

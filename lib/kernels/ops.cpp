@@ -242,23 +242,25 @@ DMI_CLONES void values_row_any(const bf16* p, const bf16* v, bf16* o, std::int64
 DMI_CLONES void scores_row_cloned(const float* q, const float* k, const bool* m, float* o, std::int64_t L, std::int64_t D, float s) { scores_row(q, k, m, o, L, D, s); }
 DMI_CLONES void scores_row_cloned(const bf16* q, const bf16* k, const bool* m, bf16* o, std::int64_t L, std::int64_t D, float s) { scores_row(q, k, m, o, L, D, s); }
 
-// The AVX-512 attention kernels (attention_avx512.cpp) run: the CPU has
-// AVX-512F and $DMI_KERNELS, read once per process, does not ask for less
-// (avx2 or scalar, e.g. to measure what a CPU without AVX-512 runs; aten
-// keeps them). The same bits either way. An invalid value is reported where
-// the projections are built, never from here (this may run in a parallel
-// region).
-bool has_avx512() {
-  static const bool yes = [] {
+// The instruction set whose attention kernels run (attention_avx512.cpp,
+// attention_avx2.cpp): the CPU's, or less where $DMI_KERNELS, read once per
+// process, asks for less (avx2 or scalar, e.g. to measure what an older CPU
+// runs; aten keeps the CPU's). The same bits either way. An invalid value is
+// reported where the projections are built, never from here (this may run
+// in a parallel region).
+Isa attention_isa() {
+  static const Isa isa = [] {
     Isa chosen = detect_isa();
     try {
       chosen = selected_isa();
     } catch (const Error&) {
     }
-    return static_cast<int>(chosen == Isa::aten ? detect_isa() : chosen) >= static_cast<int>(Isa::avx512);
+    return chosen == Isa::aten ? detect_isa() : chosen;
   }();
-  return yes;
+  return isa;
 }
+bool has_avx512() { return static_cast<int>(attention_isa()) >= static_cast<int>(Isa::avx512); }
+bool has_avx2() { return static_cast<int>(attention_isa()) >= static_cast<int>(Isa::avx2); }
 
 template <class E>
 void scores_row_any(const E* q, const E* k, const bool* m, E* o, std::int64_t L, std::int64_t D, float s) {
@@ -382,11 +384,11 @@ void softmax_rows(const E* x, E* out, std::int64_t rows, std::int64_t n) {
 }
 
 // Rows of one KV head in blocks (detail::scores_block_avx512 and
-// values_block_avx512, or attention_many_avx512): the G query heads of
+// values_block_avx512, or attention_many_avx512; the _avx2 blocks): the G query heads of
 // consecutive positions, at most max_rows rows. Calls fn(b, kv, rows, row_h,
 // row_t, scratch) per block, with scratch_floats floats of scratch per
 // thread; blocks split over threads (each row costs L * D multiply-adds);
-// false when the blocked kernels cannot run (no AVX-512, or a head_dim they
+// false when the blocked kernels cannot run (no AVX2, or a head_dim they
 // do not take).
 std::int64_t block_scratch_floats(std::int64_t D) { return (detail::kBlockRows + detail::kBlockKeys) * D; }
 
@@ -394,7 +396,7 @@ template <class Fn>
 bool for_head_blocks(std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KV, std::int64_t D, std::int64_t L,
                      int max_rows, std::int64_t scratch_floats, Fn fn) {
   const std::int64_t G = H / KV;
-  if (!has_avx512() || D % 16 != 0 || D > detail::kBlockMaxD || G > detail::kBlockRows) return false;
+  if (!has_avx2() || D % 16 != 0 || D > detail::kBlockMaxD || G > detail::kBlockRows) return false;
   const std::int64_t per = std::max<std::int64_t>(1, max_rows / G);  // positions per block
   const std::int64_t tblocks = (T + per - 1) / per, units = B * KV * tblocks;
   // As many threads as at::parallel_for would start; they take blocks from a
@@ -442,7 +444,9 @@ void scores_impl(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, co
           mr[r] = mp + (b * T + rt[r]) * L;
           orow[r] = op + ((b * H + rh[r]) * T + rt[r]) * L;
         }
-        detail::scores_block_avx512(qr, mr, orow, rows, kp + (b * KV + kv) * cap * D, L, D, scale, scratch);
+        const E* kb = kp + (b * KV + kv) * cap * D;
+        if (has_avx512()) detail::scores_block_avx512(qr, mr, orow, rows, kb, L, D, scale, scratch);
+        else detail::scores_block_avx2(qr, mr, orow, rows, kb, L, D, scale, scratch);
       });
   if (blocked) return;
   parallel_for(0, B * H, grain(T * L * D), [&](std::int64_t begin, std::int64_t end) {
@@ -471,7 +475,9 @@ void values_impl(const at::Tensor& probs, const at::Tensor& values, std::int64_t
           pr[r] = pp + ((b * H + rh[r]) * T + rt[r]) * L;
           orow[r] = op + ((b * T + rt[r]) * H + rh[r]) * D;
         }
-        detail::values_block_avx512(pr, orow, rows, vp + (b * KV + kv) * cap * D, L, D, scratch);
+        const E* vb = vp + (b * KV + kv) * cap * D;
+        if (has_avx512()) detail::values_block_avx512(pr, orow, rows, vb, L, D, scratch);
+        else detail::values_block_avx2(pr, orow, rows, vb, L, D, scratch);
       });
   if (blocked) return;
   parallel_for(0, B * H, grain(T * L * D), [&](std::int64_t begin, std::int64_t end) {
@@ -502,7 +508,7 @@ bool fused_impl(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& v
   const E* vp = reinterpret_cast<const E*>(values.data_ptr());
   const bool* mp = masked.data_ptr<bool>();
   E* op = reinterpret_cast<E*>(out.data_ptr());
-  const bool many = T * G > detail::kBlockRows;
+  const bool many = has_avx512() && T * G > detail::kBlockRows;
   const int max_rows = many ? detail::kManyRows : detail::kBlockRows;
   const std::int64_t scratch = many ? detail::many_scratch_floats(D, L) : block_scratch_floats(D);
   return for_head_blocks(
@@ -532,9 +538,15 @@ bool fused_impl(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& v
           sr[r] = sp.data() + r * L;
           pr[r] = sp.data() + (detail::kBlockRows + r) * L;
         }
-        detail::scores_block_avx512(qr, mr, sr, rows, kb, L, D, scale, buf);
-        for (int r = 0; r < rows; ++r) detail::softmax_row_avx512(sr[r], pr[r], L, e.data());
-        detail::values_block_avx512(pr, orow, rows, vb, L, D, buf);
+        if (has_avx512()) {
+          detail::scores_block_avx512(qr, mr, sr, rows, kb, L, D, scale, buf);
+          for (int r = 0; r < rows; ++r) detail::softmax_row_avx512(sr[r], pr[r], L, e.data());
+          detail::values_block_avx512(pr, orow, rows, vb, L, D, buf);
+        } else {
+          detail::scores_block_avx2(qr, mr, sr, rows, kb, L, D, scale, buf);
+          for (int r = 0; r < rows; ++r) softmax_row_any(sr[r], pr[r], L, e.data());
+          detail::values_block_avx2(pr, orow, rows, vb, L, D, buf);
+        }
       });
 }
 

@@ -13,14 +13,17 @@ namespace dmi::kernels::detail {
 
 namespace {
 
-// How far ahead (bytes) the one-row tiles prefetch: 1 KiB, four k units.
-// The AVX-512 kernels' 16 KiB (gemm_impl.h, kPrefetch) kept this kernel's
-// batch-1 projections ~0.85x as fast on a Zen 3 EPYC: a decode step's 113
-// projections of the Qwen3-0.6B shape, interleaved in one process, took
-// 39.2-41.6 ms (bf16) and 77.3 ms (fp32) at 16 KiB, 34.5-36.3 and 73.4 ms at
-// 1-1.25 KiB, 38.6 ms with no prefetch (docs/benchmarks.md, 2026-12-06
-// fourth session).
-constexpr int64_t kRowPrefetch = 1024;
+// How far ahead (bytes) the bf16 one-row tile prefetches: 1 KiB, four k
+// units. At the AVX-512 kernels' 16 KiB (gemm_impl.h, kPrefetch) a Zen 3
+// EPYC's batch-1 bf16 steps took 1.16x as long (dmi-bench TPOT, median of 6
+// rounds each, 1, 4 and 16 KiB interleaved: 37.2, 44.8 and 43.1 ms); a
+// decode step's 113 projections alone, interleaved in one process, 34.5-36.3
+// ms at 1-1.25 KiB against 39.2-41.6 at 16 KiB and 38.6 with no prefetch
+// (docs/benchmarks.md, 2026-12-06 fourth session). The fp32 one-row tile
+// keeps 16 KiB: end to end its steps took 1.15x as long at 1 KiB (median
+// 84.8 against 73.8 ms, the same rounds), though the projections alone had
+// run faster (73.4 against 77.3 ms).
+constexpr int64_t kRowPrefetchBf16 = 1024;
 // The multi-row strips prefetch one k block (8 KiB, gemm_impl.h) ahead:
 // there, fp32 batch-4 and batch-8 projections took 0.91-0.94x the time of
 // 16 KiB, bf16 batch 8 0.96-0.98x, prefill tied; below 8 KiB they slowed
@@ -38,7 +41,7 @@ void row_bf16w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1,
   for (int j = 0; j < 8; ++j) acc[j] = first ? _mm256_setzero_ps() : _mm256_load_ps(out + 8 * j);
   for (int64_t kp = k0; kp < k1; ++kp) {
     const uint16_t* wk = w + kp * 2 * kPanel;
-    pf.at(wk, kRowPrefetch);
+    pf.at(wk, kRowPrefetchBf16);
     const __m256 b0 = _mm256_broadcast_ss(x + 2 * kp);
     const __m256 b1 = _mm256_broadcast_ss(x + 2 * kp + 1);
     for (int j = 0; j < 8; ++j) {
@@ -58,7 +61,7 @@ void row_f32w(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, 
   for (int j = 0; j < 8; ++j) acc[j] = first ? _mm256_setzero_ps() : _mm256_load_ps(out + 8 * j);
   for (int64_t k = k0; k < k1; ++k) {
     const float* wk = w + k * kPanel;
-    pf.at(wk, kRowPrefetch);
+    pf.at(wk);
     const __m256 b = _mm256_broadcast_ss(x + k);
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wk + 8 * j), b, acc[j]);
   }

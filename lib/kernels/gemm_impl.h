@@ -35,13 +35,14 @@ constexpr int64_t kRowBlock = 128;
 // 0.83-0.93x the time of 16 KiB in 4 of 4 runs, but end to end (dmi-bench,
 // 2 alternating rounds on a quiet machine) its TPOT was worse at batch 1
 // and 8 in every round (25.3/26.0 vs 24.8/24.1 ms at batch 1): kept at 16.
+// The AVX2 kernels measured their own on a Zen 3 EPYC (gemm_avx2.cpp).
 constexpr int64_t kPrefetch = 16384;
 // One k unit of a panel (a bf16 pair or one fp32 k, 64 columns) is 256
 // bytes: four cache lines.
 constexpr int kUnitLines = 4;
 
 // Which of the four cache lines of each k unit a tile prefetches, kPrefetch
-// ahead of the unit it reads: lines [lo, hi). A whole-depth tile that
+// (or the `ahead` a kernel gives at()) ahead of the unit it reads: lines [lo, hi). A whole-depth tile that
 // streams a panel takes all four, the others none. Decode-sized batches
 // share each unit's lines among their tiles by rows, so that memory is asked
 // for at a steady rate while all the tiles compute; when only the first tile

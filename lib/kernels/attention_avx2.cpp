@@ -28,26 +28,29 @@ inline float value(const uint16_t* p, int64_t i) {
   return f;
 }
 
-// 8 floats rounded to bfloat16 as to_bf16 does (NaN stays NaN).
-inline __m128i to_bf16_8(__m256 v) {
+// 8 floats rounded to bfloat16 as to_bf16 does (NaN stays NaN): the bits
+// in the low half of each 32-bit lane.
+inline __m256i to_bf16_lanes(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
   const __m256i quiet_nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
   const __m256i nan =
       _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-  const __m256i r = _mm256_blendv_epi8(rounded, quiet_nan, nan);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));  // each lane <= 0xffff
+  return _mm256_blendv_epi8(rounded, quiet_nan, nan);
 }
-inline void store8(uint16_t* o, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(o), to_bf16_8(v)); }
+inline void store8(uint16_t* o, __m256 v) {
+  const __m256i r = to_bf16_lanes(v);  // each lane <= 0xffff: the unsigned pack is exact
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
 inline void store8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
 
-// A score from its dot product: rounded to the dtype, times scale, rounded.
-inline void store_score(uint16_t* o, float dot, float scale) {
-  const uint16_t rounded = to_bf16(dot);
-  *o = to_bf16(value(&rounded, 0) * scale);
+// Scores from 8 dot products: rounded to the dtype, times scale, rounded.
+inline void scores8(uint16_t* o, __m256 dots, float scale) {
+  const __m256 rounded = _mm256_castsi256_ps(_mm256_slli_epi32(to_bf16_lanes(dots), 16));
+  store8(o, _mm256_mul_ps(rounded, _mm256_set1_ps(scale)));
 }
-inline void store_score(float* o, float dot, float scale) { *o = dot * scale; }
+inline void scores8(float* o, __m256 dots, float scale) { store8(o, _mm256_mul_ps(dots, _mm256_set1_ps(scale))); }
 inline void set_neg_inf(uint16_t* o) { *o = 0xff80; }
 inline void set_neg_inf(float* o) { *o = -__builtin_inff(); }
 
@@ -65,9 +68,11 @@ inline void prefetch_rows(const E* base, int64_t from, int64_t to, int64_t L, in
 
 // Four dot products of R rows (fp32, q[r]) with 4 / R keys (k[j]: fp32 or
 // bf16, widened here), each in 16 lanes (lo: lanes 0-7, hi: 8-15) and summed
-// in the tree's order, four at once: out[r * (4 / R) + j].
+// in the tree's order, four at once: dot d = r * (4 / R) + j in lane
+// dot_lane(d), [d0, d2, d0, d2, d1, d3, d1, d3].
+constexpr int dot_lane(int d) { return (d & 1) * 4 + (d >> 1); }
 template <int R, class K>
-inline void dots4(const float* const* q, const K* const* k, int64_t D, float* out) {
+inline __m256 dots4(const float* const* q, const K* const* k, int64_t D) {
   constexpr int KEYS = 4 / R;
   __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0, lo3 = lo0, hi3 = lo0;
   // Named accumulators, in the order d = r * KEYS + j (an array of them can
@@ -95,10 +100,7 @@ inline void dots4(const float* const* q, const K* const* k, int64_t D, float* ou
   const __m256 x01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
   const __m256 x23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
   const __m256 y = _mm256_add_ps(_mm256_shuffle_ps(x01, x23, 0x44), _mm256_shuffle_ps(x01, x23, 0xee));
-  const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(y, y, 0x88), _mm256_shuffle_ps(y, y, 0xdd));
-  alignas(32) float t[8];
-  _mm256_store_ps(t, z);  // [d0, d2, d0, d2, d1, d3, d1, d3]
-  out[0] = t[0], out[1] = t[4], out[2] = t[1], out[3] = t[5];
+  return _mm256_add_ps(_mm256_shuffle_ps(y, y, 0x88), _mm256_shuffle_ps(y, y, 0xdd));
 }
 
 // Scores of rows [r0, r0 + R) against the n keys of a chunk (keys: fp32 or
@@ -122,13 +124,13 @@ inline void scores_rows(const float* qw, int r0, const uint32_t* masked, const K
     }
     bool any = false;
     for (int r = 0; r < R; ++r) any = any || (~masked[r0 + r] & in_tile) != 0;
-    float dots[4] = {};
-    if (any) dots4<R>(q, k, D, dots);
+    alignas(32) E scores[8] = {};
+    if (any) scores8(scores, dots4<R>(q, k, D), scale);
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < KEYS; ++j) {
         E* out = o[r0 + r] + c0 + key[j];
         if ((masked[r0 + r] >> key[j]) & 1u) set_neg_inf(out);
-        else store_score(out, dots[r * KEYS + j], scale);
+        else *out = scores[dot_lane(r * KEYS + j)];
       }
   }
 }

@@ -118,7 +118,12 @@ DMI_INLINE void silu_mul_row(const E* g, const E* u, E* o, std::int64_t n) {
   for (std::int64_t c0 = 0; c0 < n; c0 += kChunk) {
     const std::int64_t m = std::min(kChunk, n - c0);
     for (std::int64_t i = 0; i < m; ++i) gf[i] = load(g, c0 + i);
-    for (std::int64_t i = 0; i < m; ++i) act[i] = gf[i] / (1.0f + fast_exp(-gf[i]));
+    // The exp and the division in separate loops: in one, GCC had divided
+    // every lane by exp's largest value as well (the clamped input's
+    // constant), blending the result away, and those divisions' denormal
+    // results took microcode assists (3.3-3.6 ns an element on a Zen 3).
+    for (std::int64_t i = 0; i < m; ++i) act[i] = fast_exp(-gf[i]);
+    for (std::int64_t i = 0; i < m; ++i) act[i] = gf[i] / (1.0f + act[i]);
     for (std::int64_t i = 0; i < m; ++i) act[i] = round_to(act[i], g);  // silu, in the dtype
     for (std::int64_t i = 0; i < m; ++i) store(o, c0 + i, act[i] * load(u, c0 + i));
   }

@@ -66,6 +66,23 @@ inline void prefetch_rows(const E* base, int64_t from, int64_t to, int64_t L, in
   for (; b < e; b += 64) __builtin_prefetch(b, 0, 3);
 }
 
+// The rows [c0, c0 + n) of a block's keys or values (D apart) in fp32:
+// bf16 widened into w, fp32 read where they lie.
+inline const float* rows_f32(const float* b, int64_t c0, int64_t, int64_t D, float*) { return b + c0 * D; }
+inline const float* rows_f32(const uint16_t* b, int64_t c0, int64_t n, int64_t D, float* w) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(w + j * D + d, widen8(b + (c0 + j) * D + d));
+  return w;
+}
+
+// A block's rows in pairs, then an odd last one: fn(Int<ROWS>{}, r0).
+template <class Fn>
+inline void for_pairs(int rows, Fn fn) {
+  int r0 = 0;
+  for (; r0 + 2 <= rows; r0 += 2) fn(Int<2>{}, r0);
+  if (r0 < rows) fn(Int<1>{}, r0);
+}
+
 // Four dot products of R rows (fp32, q[r]) with 4 / R keys (k[j]: fp32 or
 // bf16, widened here), each in 16 lanes (lo: lanes 0-7, hi: 8-15) and summed
 // in the tree's order, four at once: dot d = r * (4 / R) + j in lane
@@ -161,17 +178,12 @@ void scores_block_t(const E* const* q, const bool* const* m, E* const* o, int ro
       continue;
     }
     auto groups = [&](const auto* keys) {
-      int r0 = 0;
-      for (; r0 + 2 <= rows; r0 += 2) scores_rows<2>(qw, r0, masked, keys, n, D, scale, o, c0);
-      if (r0 < rows) scores_rows<1>(qw, r0, masked, keys, n, D, scale, o, c0);
+      for_pairs(rows, [&](auto g, int r0) {
+        scores_rows<decltype(g)::value>(qw, r0, masked, keys, n, D, scale, o, c0);
+      });
     };
-    if (decode || sizeof(E) == 4) {
-      groups(kb + c0 * D);
-    } else {
-      for (int j = 0; j < n; ++j)
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(kw + j * D + d, load8(kb + (c0 + j) * D + d));
-      groups(static_cast<const float*>(kw));
-    }
+    if (decode) groups(kb + c0 * D);
+    else groups(rows_f32(kb, c0, n, D, kw));
   }
 }
 
@@ -235,17 +247,10 @@ void values_block_t(const E* const* p, E* const* o, int rows, const E* vb, int64
     }
     if (any == 0) continue;
     auto groups = [&](const auto* v) {
-      int r0 = 0;
-      for (; r0 + 2 <= rows; r0 += 2) values_group<2>(acc, pf, live, r0, v, n, D);
-      if (r0 < rows) values_group<1>(acc, pf, live, r0, v, n, D);
+      for_pairs(rows, [&](auto g, int r0) { values_group<decltype(g)::value>(acc, pf, live, r0, v, n, D); });
     };
-    if (decode || sizeof(E) == 4) {
-      groups(vb + c0 * D);
-    } else {
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(vw + j * D + d, load8(vb + (c0 + j) * D + d));
-      groups(static_cast<const float*>(vw));
-    }
+    if (decode) groups(vb + c0 * D);
+    else groups(rows_f32(vb, c0, n, D, vw));
   }
   for (int r = 0; r < rows; ++r)
     for (int64_t d = 0; d < D; d += 8) store8(o[r] + d, _mm256_loadu_ps(acc + r * D + d));

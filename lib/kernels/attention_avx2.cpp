@@ -110,7 +110,7 @@ inline __m256 dots4(const float* const* q, const K* const* k, int64_t D) {
       for (int r = 0; r < R; ++r) acc(r * KEYS + j, _mm256_mul_ps(ql[r], kl), _mm256_mul_ps(qh[r], kh));
     }
   }
-  // Lane l + l + 8 (s8), then per dot [s8 0-3] + [s8 4-7] (s4), then
+  // Lanes l and l + 8 added (s8), then per dot [s8 0-3] + [s8 4-7] (s4), then
   // elements 0, 1 + 2, 3 (s2), then 0 + 1: reduce16's pairs.
   const __m256 v0 = _mm256_add_ps(lo0, hi0), v1 = _mm256_add_ps(lo1, hi1);
   const __m256 v2 = _mm256_add_ps(lo2, hi2), v3 = _mm256_add_ps(lo3, hi3);

@@ -42,8 +42,9 @@ constexpr int64_t kPrefetch = 16384;
 constexpr int kUnitLines = 4;
 
 // Which of the four cache lines of each k unit a tile prefetches, kPrefetch
-// (or the `ahead` a kernel gives at()) ahead of the unit it reads: lines [lo, hi). A whole-depth tile that
-// streams a panel takes all four, the others none. Decode-sized batches
+// (or the `ahead` a kernel gives at()) ahead of the unit it reads: lines
+// [lo, hi). A whole-depth tile that streams a panel takes all four, the
+// others none. Decode-sized batches
 // share each unit's lines among their tiles by rows, so that memory is asked
 // for at a steady rate while all the tiles compute; when only the first tile
 // prefetched, memory idled while the others reused the block from L1 (Xeon,

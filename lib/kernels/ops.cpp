@@ -389,8 +389,8 @@ void softmax_rows(const E* x, E* out, std::int64_t rows, std::int64_t n) {
 }
 
 // Rows of one KV head in blocks (detail::scores_block_avx512 and
-// values_block_avx512, or attention_many_avx512; the _avx2 blocks): the G query heads of
-// consecutive positions, at most max_rows rows. Calls fn(b, kv, rows, row_h,
+// values_block_avx512, or attention_many_avx512; without AVX-512 the _avx2
+// blocks): the G query heads of consecutive positions, at most max_rows rows. Calls fn(b, kv, rows, row_h,
 // row_t, scratch) per block, with scratch_floats floats of scratch per
 // thread; blocks split over threads (each row costs L * D multiply-adds);
 // false when the blocked kernels cannot run (no AVX2, or a head_dim they
@@ -499,10 +499,11 @@ void values_impl(const at::Tensor& probs, const at::Tensor& values, std::int64_t
 // Scores, softmax and values of each block of rows in one pass: the row
 // functions of the three separate ops on the same inputs, so the same bits,
 // with the block's scores and probabilities in a per-thread buffer instead of
-// [B, H, T, L] tensors, and one parallel region instead of three. Prefill
-// (more rows per KV head than one block of kBlockRows) runs blocks of up to
-// kManyRows rows through attention_many_avx512, which widens and transposes
-// each key chunk once for all of them.
+// [B, H, T, L] tensors, and one parallel region instead of three. With
+// AVX-512, prefill (more rows per KV head than one block of kBlockRows) runs
+// blocks of up to kManyRows rows through attention_many_avx512, which widens
+// and transposes each key chunk once for all of them; the AVX2 blocks stay
+// at kBlockRows rows.
 template <class E>
 bool fused_impl(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, std::int64_t L,
                 const at::Tensor& masked, float scale, at::Tensor& out) {

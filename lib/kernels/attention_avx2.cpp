@@ -21,12 +21,7 @@ inline __m256 widen8(const uint16_t* p) {
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return widen8(p); }
 inline float value(const float* p, int64_t i) { return p[i]; }
-inline float value(const uint16_t* p, int64_t i) {
-  const uint32_t u = static_cast<uint32_t>(p[i]) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
+inline float value(const uint16_t* p, int64_t i) { return bf16_value(p[i]); }
 
 // 8 floats rounded to bfloat16 as to_bf16 does (NaN stays NaN): the bits
 // in the low half of each 32-bit lane.
@@ -53,18 +48,6 @@ inline void scores8(uint16_t* o, __m256 dots, float scale) {
 inline void scores8(float* o, __m256 dots, float scale) { store8(o, _mm256_mul_ps(dots, _mm256_set1_ps(scale))); }
 inline void set_neg_inf(uint16_t* o) { *o = 0xff80; }
 inline void set_neg_inf(float* o) { *o = -__builtin_inff(); }
-
-// Cache rows [from, to) of a block's keys or values (D elements each,
-// clipped to its L rows) asked for: decode-sized blocks read them from
-// memory (attention_avx512.cpp's prefetch_rows, the same distances).
-template <class E>
-inline void prefetch_rows(const E* base, int64_t from, int64_t to, int64_t L, int64_t D) {
-  if (to > L) to = L;
-  if (from >= to) return;
-  const char* b = reinterpret_cast<const char*>(base + from * D);
-  const char* e = reinterpret_cast<const char*>(base + to * D);
-  for (; b < e; b += 64) __builtin_prefetch(b, 0, 3);
-}
 
 // The rows [c0, c0 + n) of a block's keys or values (D apart) in fp32:
 // bf16 widened into w, fp32 read where they lie.

@@ -25,31 +25,7 @@ inline __m512 widen(const uint16_t* p) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-inline float bf16_value(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
 constexpr int kMaxChunks = kBlockMaxD / 16;  // head_dim up to 512
-
-// Asks for cache rows [from, to) of a block's keys or values (D elements
-// each, clipped to its L rows) to be brought into the cache. Decode-sized
-// blocks read their keys and values once each, from memory (the weights
-// streamed since the last step have evicted them): the kernels ask a chunk
-// or two ahead so that the loads of the current chunk do not wait. The
-// attention of a batch-8 decode step (Qwen3-0.6B shape, context ~56) took
-// 0.80-0.85x the time so (3 alternating runs, Zen 5 EPYC; docs/benchmarks.md,
-// 2026-12-05 second session).
-template <class E>
-inline void prefetch_rows(const E* base, int64_t from, int64_t to, int64_t L, int64_t D) {
-  if (to > L) to = L;
-  if (from >= to) return;
-  const char* b = reinterpret_cast<const char*>(base + from * D);
-  const char* e = reinterpret_cast<const char*>(base + to * D);
-  for (; b < e; b += 64) __builtin_prefetch(b, 0, 3);
-}
 
 }  // namespace
 

@@ -44,11 +44,11 @@ constexpr int kUnitLines = 4;
 // Which of the four cache lines of each k unit a tile prefetches, kPrefetch
 // (or the `ahead` a kernel gives at()) ahead of the unit it reads: lines
 // [lo, hi). A whole-depth tile that streams a panel takes all four, the
-// others none. Decode-sized batches
-// share each unit's lines among their tiles by rows, so that memory is asked
-// for at a steady rate while all the tiles compute; when only the first tile
-// prefetched, memory idled while the others reused the block from L1 (Xeon,
-// 4 + 4 rows). A short last tile takes no share (drive()).
+// others none. Decode-sized batches share each unit's lines among their
+// tiles by rows, so that memory is asked for at a steady rate while all the
+// tiles compute; when only the first tile prefetched, memory idled while
+// the others reused the block from L1 (Xeon, 4 + 4 rows). A short last tile
+// takes no share (drive()).
 // The AVX2 kernel's tiles walk a unit's four lines in four strips, one after
 // the other, and spread the prefetches instead: each strip takes its own
 // line, on the units k with k % parts == part, where drive() numbers the

@@ -36,7 +36,8 @@ inline __m256i to_bf16_lanes(__m256 v) {
 }
 inline void store8(uint16_t* o, __m256 v) {
   const __m256i r = to_bf16_lanes(v);  // each lane <= 0xffff: the unsigned pack is exact
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), packed);
 }
 inline void store8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
 

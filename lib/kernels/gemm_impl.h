@@ -15,8 +15,9 @@
 // order (bf16: the pair k, k+1 per step), whatever M, the row tile or the
 // thread split: a row's result does not depend on the rows beside it. The
 // scalar, AVX2 and AVX-512 kernels use the same fused multiply-adds in the
-// same order and agree bit for bit; the AVX512-BF16 kernel (vdpbf16ps) rounds
-// differently and agrees with itself.
+// same order and agree bit for bit; the AVX512-BF16 kernel (vdpbf16ps) and
+// the SSE2 kernel (a multiply, then an add) round differently and agree
+// with themselves.
 #pragma once
 
 #include <stddef.h>
@@ -88,10 +89,12 @@ struct GemmArgs {
 void gemm_bf16w_avx512bf16(const GemmArgs& a);
 void gemm_bf16w_avx512(const GemmArgs& a);
 void gemm_bf16w_avx2(const GemmArgs& a);
+void gemm_bf16w_sse2(const GemmArgs& a);  // multiply, then add: its own bits (gemm_sse2.cpp)
 void gemm_bf16w_scalar(const GemmArgs& a);
 // fp32 weights, fp32 x.
 void gemm_f32w_avx512(const GemmArgs& a);
 void gemm_f32w_avx2(const GemmArgs& a);
+void gemm_f32w_sse2(const GemmArgs& a);
 void gemm_f32w_scalar(const GemmArgs& a);
 
 // The kernels' multiply-add instruction alone (vdpbf16ps, or the fp32 FMA of
@@ -100,6 +103,7 @@ void gemm_f32w_scalar(const GemmArgs& a);
 int64_t peak_macs_avx512bf16(int64_t iterations);
 int64_t peak_macs_avx512(int64_t iterations);
 int64_t peak_macs_avx2(int64_t iterations);
+int64_t peak_macs_sse2(int64_t iterations);  // a multiply and an add
 
 // Their loop: a = op(a) on 12 independent accumulators, `iterations` times.
 // The chains outnumber latency x issue rate on the cores measured (Zen 4

@@ -1,5 +1,5 @@
 // Linear layers on packed weights: y = x·Wᵀ + b with hand-written CPU kernels
-// chosen at run time (AVX512-BF16, AVX-512F, AVX2+FMA, portable C++), or
+// chosen at run time (AVX512-BF16, AVX-512F, AVX2+FMA, SSE2, portable C++), or
 // ATen's at::linear. The model packs each projection once at load (q/k/v and
 // gate/up fused into one matrix each) and calls it every forward pass.
 //
@@ -16,12 +16,16 @@
 
 namespace dmi::kernels {
 
-enum class Isa { aten, scalar, avx2, avx512, avx512_bf16 };
+// In order: a CPU that runs one runs those before it. sse2 (every x86-64
+// CPU) multiplies, then adds: the kernels of CPUs without AVX2 and FMA,
+// rounded differently from scalar, avx2 and avx512 (gemm_impl.h), which
+// agree bit for bit.
+enum class Isa { aten, scalar, sse2, avx2, avx512, avx512_bf16 };
 
 const char* isa_name(Isa isa);
-// "aten", "scalar", "avx2", "avx512", "avx512_bf16"; throws dmi::Error otherwise.
+// "aten", "scalar", "sse2", "avx2", "avx512", "avx512_bf16"; throws dmi::Error otherwise.
 Isa parse_isa(const std::string& name);
-// The best kernels this CPU (and OS) supports.
+// The best kernels this CPU (and OS) supports: sse2 at least on x86-64.
 Isa detect_isa();
 // What runs by default: detect_isa(), except that Intel CPUs with
 // AVX512-BF16 run the avx512 kernels (bf16 widened, fp32 FMA), faster there.
@@ -36,12 +40,13 @@ std::string describe(Isa isa, at::ScalarType dtype);
 // instruction of `isa`'s kernels for `dtype` sustains when it does nothing
 // else, on all of LibTorch's threads at once (vdpbf16ps: 32 per instruction;
 // the fp32 FMA: 16 with AVX-512, 8 with AVX2, also where bf16 weights are
-// widened first). Best of three runs of about 20 ms. A kernel also loads and
-// broadcasts, so it can only come close. 0 for aten and scalar, whose
-// instructions are the compiler's choice. dmi-bench's compute floor.
+// widened first; SSE2: a multiply and an add, 4). Best of three runs of
+// about 20 ms. A kernel also loads and broadcasts, so it can only come
+// close. 0 for aten and scalar, whose instructions are the compiler's
+// choice. dmi-bench's compute floor.
 struct PeakRate {
   double macs_per_second = 0;
-  std::string instruction;  // "vdpbf16ps", "FMA zmm", "FMA ymm"; empty when unknown
+  std::string instruction;  // "vdpbf16ps", "FMA zmm", "FMA ymm", "mulps+addps"; empty when unknown
 };
 PeakRate measure_peak_macs_per_second(Isa isa, at::ScalarType dtype);
 

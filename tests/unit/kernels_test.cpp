@@ -30,13 +30,18 @@ namespace {
 
 std::vector<Isa> supported() {
   std::vector<Isa> out;
-  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16})
+  for (Isa i : {Isa::scalar, Isa::sse2, Isa::avx2, Isa::avx512, Isa::avx512_bf16})
     if (static_cast<int>(i) <= static_cast<int>(dmi::kernels::detect_isa())) out.push_back(i);
   return out;
 }
 
 bool same_bits(const at::Tensor& a, const at::Tensor& b) {
   return a.sizes() == b.sizes() && at::equal(a.contiguous().view(at::kByte), b.contiguous().view(at::kByte));
+}
+
+// Kernels whose bits are their own: vdpbf16ps (bf16 weights) and SSE2's multiply-then-add.
+bool own_bits(Isa isa, at::ScalarType dtype) {
+  return isa == Isa::sse2 || (isa == Isa::avx512_bf16 && dtype == at::kBFloat16);
 }
 
 struct Shape {
@@ -72,7 +77,7 @@ TEST_CASE("kernels: every ISA matches a float64 reference, fp32 and bf16, odd sh
     }
 }
 
-TEST_CASE("kernels: scalar, AVX2 and AVX-512 agree bit for bit; AVX512-BF16 with itself") {
+TEST_CASE("kernels: scalar, AVX2 and AVX-512 agree bit for bit") {
   at::manual_seed(2);
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
     at::Tensor w = at::randn({200, 130}).to(dtype);
@@ -85,11 +90,36 @@ TEST_CASE("kernels: scalar, AVX2 and AVX-512 agree bit for bit; AVX512-BF16 with
       const at::Tensor x = at::randn({m, 130}).to(dtype);
       const at::Tensor ref = lin.run(x, Isa::scalar);
       for (Isa isa : supported()) {
-        if (isa == Isa::avx512_bf16 && dtype == at::kBFloat16) continue;  // vdpbf16ps rounds its own way
+        if (own_bits(isa, dtype)) continue;
         CAPTURE(dmi::kernels::isa_name(isa));
         CAPTURE(m);
         CHECK(same_bits(lin.run(x, isa), ref));
       }
+    }
+  }
+}
+
+TEST_CASE("kernels: SSE2 rounds each product, then each sum, over k in order: an ATen op per step, bit for bit") {
+  // The reference: y = ((0 + x[:, 0] w[:, 0]) + x[:, 1] w[:, 1]) + ..., every multiply and add an ATen
+  // elementwise op on fp32 (bf16 weights and inputs widened exactly), then the bias in fp32, then the
+  // output's dtype (round to nearest even). The same rows as the bitwise test above: one-row passes,
+  // 4-row decode tiles in k blocks with a short last tile, 5-row prefill tiles in row blocks.
+  at::manual_seed(7);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor w = at::randn({200, 130}).to(dtype), b = at::randn({200}).to(dtype);
+    const PackedLinear lin({w}, {b}, dtype, Isa::scalar);
+    const at::Tensor wf = w.to(at::kFloat);
+    for (std::int64_t m : {1, 2, 3, 4, 5, 8, 13, 300}) {
+      const at::Tensor x = at::randn({m, 130}).to(dtype), xf = x.to(at::kFloat);
+      at::Tensor acc = at::zeros({m, 200});
+      for (std::int64_t k = 0; k < 130; ++k) acc = at::add(acc, at::mul(xf.narrow(1, k, 1), wf.narrow(1, k, 1).t()));
+      const at::Tensor want = at::add(acc, b.to(at::kFloat)).to(dtype);
+      CAPTURE(std::string(c10::toString(dtype)));
+      CAPTURE(m);
+      const at::Tensor got = lin.run(x, Isa::sse2);
+      CHECK(same_bits(got, want));
+      // The FMA kernels' fp32 bits differ (in bf16 outputs the difference rarely survives the rounding).
+      if (dtype == at::kFloat && m == 8) CHECK(!same_bits(got, lin.run(x, Isa::scalar)));
     }
   }
 }
@@ -129,7 +159,7 @@ TEST_CASE("kernels: one and two rows, two panels per tile, have the bits of one-
       CAPTURE(dmi::kernels::isa_name(isa));
       CAPTURE(c10::toString(dtype));
       const at::Tensor five = lin.run(x, isa);  // one 5-row tile per panel
-      if (!(isa == Isa::avx512_bf16 && dtype == at::kBFloat16)) CHECK(same_bits(five, ref));
+      if (!own_bits(isa, dtype)) CHECK(same_bits(five, ref));
       for (std::int64_t m : {1, 2}) {
         CAPTURE(m);
         for (std::int64_t r = 0; r + m <= 5; r += m)
@@ -231,7 +261,8 @@ TEST_CASE("kernels: the peak multiply-add rate is measured with each kernel's ow
         continue;
       }
       CHECK(r.macs_per_second > 0);
-      const char* want = isa == Isa::avx2                                           ? "FMA ymm"
+      const char* want = isa == Isa::sse2                                           ? "mulps+addps"
+                         : isa == Isa::avx2                                        ? "FMA ymm"
                          : isa == Isa::avx512_bf16 && dtype == at::kBFloat16 ? "vdpbf16ps"
                                                                                     : "FMA zmm";
       CHECK(r.instruction == want);

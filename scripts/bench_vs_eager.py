@@ -18,6 +18,11 @@ rounds, so that a noisy neighbour hits all engines alike.
 --emulate-no-bf16 runs both engines as on an AVX-512 CPU without AVX512-BF16:
 oneDNN is capped with ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI (so eager's bf16
 matmuls take the path such CPUs get) and dmi with DMI_KERNELS=avx512.
+--emulate-sse2 runs them as on an x86-64 CPU without AVX (nor AVX2, FMA):
+ATen on ATEN_CPU_CAPABILITY=default, OpenBLAS on its Nehalem (SSE) kernels,
+oneDNN capped at SSE41, and dmi with DMI_KERNELS=sse2. dmi's row loops
+(kernels/ops.cpp: norms, rotary, softmax, SwiGLU) are target_clones chosen by
+the CPU itself, so they still take their AVX2 clones on an AVX2 machine.
 
 Reported per batch size: decode tokens/s of each engine and dmi/eager
 (target: >= 3x at batch 8), TPOT / the weight-read floor that dmi-bench
@@ -46,6 +51,11 @@ def engine_env(a, kernels=None):
         env["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_VNNI"
         env["DNNL_MAX_CPU_ISA"] = "AVX512_CORE_VNNI"  # oneDNN 2.x before the rename
         env["DMI_KERNELS"] = "avx512"
+    if a.emulate_sse2:
+        env["ATEN_CPU_CAPABILITY"] = "default"
+        env["OPENBLAS_CORETYPE"] = "Nehalem"
+        env["ONEDNN_MAX_CPU_ISA"] = env["DNNL_MAX_CPU_ISA"] = "SSE41"
+        env["DMI_KERNELS"] = "sse2"
     if kernels:
         env["DMI_KERNELS"] = kernels
     return env
@@ -102,6 +112,8 @@ def main():
     ap.add_argument("--before", help="also run dmi-bench with DMI_KERNELS=BEFORE (e.g. aten)")
     ap.add_argument("--emulate-no-bf16", action="store_true",
                     help="cap oneDNN and dmi's kernels below AVX512-BF16 (see above)")
+    ap.add_argument("--emulate-sse2", action="store_true",
+                    help="run ATen, OpenBLAS, oneDNN and dmi's kernels as on a CPU without AVX (see above)")
     ap.add_argument("--dmi-bench", default=os.path.join(ROOT, "build", "bin", "dmi-bench"))
     ap.add_argument("--before-bench", metavar="PATH",
                     help="also run this dmi-bench binary (e.g. one built from an earlier commit) as 'dmi[before]'")
@@ -109,6 +121,8 @@ def main():
     a = ap.parse_args()
     if a.rounds < 1 or a.new_tokens < 2:
         sys.exit("bench_vs_eager: --rounds must be >= 1 and --new-tokens >= 2")
+    if a.emulate_no_bf16 and a.emulate_sse2:
+        sys.exit("bench_vs_eager: --emulate-no-bf16 and --emulate-sse2 exclude each other")
     engines = [("eager", lambda out: run_eager(a, out)), ("dmi", lambda out: run_dmi(a, out))]
     if a.before:
         engines.append((f"dmi[{a.before}]", lambda out: run_dmi(a, out, a.before)))
@@ -130,7 +144,9 @@ def main():
             rounds.append({"results": got, "meta": meta})
     m = rounds[0]["meta"]["dmi"]
     print(f"{a.dtype}, prompt {a.prompt_len} + {a.new_tokens} new tokens, {a.rounds} rounds; kernels {m['kernels']}"
-          + ("; emulating a CPU without AVX512-BF16 (oneDNN capped at avx512_core_vnni)" if a.emulate_no_bf16 else ""))
+          + ("; emulating a CPU without AVX512-BF16 (oneDNN capped at avx512_core_vnni)" if a.emulate_no_bf16 else "")
+          + ("; emulating a CPU without AVX (ATen default, OpenBLAS Nehalem, oneDNN SSE41, dmi sse2)"
+             if a.emulate_sse2 else ""))
     print(f"CPU {m['cpu_model']} [{' '.join(m['cpu_flags'])}]")
     floors = [rd["meta"]["dmi"]["floor_ms"] for rd in rounds]
     print(f"weight-read floor {statistics.median(floors):.1f} ms/step (read bandwidth "

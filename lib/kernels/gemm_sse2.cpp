@@ -28,16 +28,17 @@ constexpr int64_t kStripPrefetch = 8192;
 
 #define DMI_FIVE_ROWS(X) X(0) X(1) X(2) X(3) X(4)
 
-// Columns [c0, c0 + 8) of panel p for MR rows over k units [k0, k1). When
-// pf.parts > 0 the strip prefetches line pf.lo of the units k with
-// k % pf.parts == pf.part (gemm_impl.h, Prefetch).
+// Columns [c0, c0 + 8) of panel p for MR rows over k units [k0, k1). xb
+// holds each row's x over those units broadcast to 4 lanes (n vectors per
+// row: a unit's k, or its pair k, k + 1). When pf.parts > 0 the strip
+// prefetches line pf.lo of the units k with k % pf.parts == pf.part
+// (gemm_impl.h, Prefetch).
 template <int MR, bool Bf16>
-void strip(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, int64_t k1, float* out, bool first,
-           Prefetch pf) {
+void strip(const GemmArgs& a, const __m128* xb, int64_t n, int64_t p, int c0, int64_t k0, int64_t k1, float* out,
+           bool first, Prefetch pf) {
   static_assert(MR >= 1 && MR <= 5, "10 accumulators beside the weights, broadcast, product and mask");
-  const int64_t xs = a.x_stride;
-  const float* x0 = static_cast<const float*>(a.x) + m0 * xs;
-  const float *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs, *x4 = x3 + xs;
+  const __m128 *x0 = xb, *x1 = x0 + n, *x2 = x1 + n, *x3 = x2 + n, *x4 = x3 + n;
+  const int64_t first_k = (Bf16 ? 2 : 1) * k0;  // x0[k - first_k] is row 0's x[k]
   const __m128 zero = _mm_setzero_ps();
   __m128 c00 = zero, c01 = zero, c10 = zero, c11 = zero, c20 = zero, c21 = zero;
   __m128 c30 = zero, c31 = zero, c40 = zero, c41 = zero;
@@ -53,7 +54,7 @@ void strip(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, int64_t
   // Row r's two accumulators += w0, w1 x[r][k]: the product rounded, then the sum.
 #define DMI_MUL_ADD(r)                                      \
   if constexpr (MR > r) {                                   \
-    const __m128 b = _mm_set1_ps(x##r[k]);                  \
+    const __m128 b = x##r[k - first_k];                     \
     c##r##0 = _mm_add_ps(c##r##0, _mm_mul_ps(w0, b));       \
     c##r##1 = _mm_add_ps(c##r##1, _mm_mul_ps(w1, b));       \
   }
@@ -159,21 +160,44 @@ void row(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, float
   }
 }
 
-// MR rows of panel p over [k0, k1): per k block, the eight strips one after
-// the other. The first strip of each cache line (16 columns) prefetches
-// that line when the tile prefetches (pf.parts > 0, as the AVX2 strips).
+// MR rows of panel p over [k0, k1): per k block, the rows' x broadcast
+// once (four values per load), then the eight strips one after the other.
+// The first strip of each cache line (16 columns) prefetches that line when
+// the tile prefetches (pf.parts > 0, as the AVX2 strips). Batch-8 fp32
+// decode steps on a Zen 3 EPYC (DMI_KERNELS=sse2, 3 alternating rounds):
+// 201-205 ms with a load and a shuffle per row and k in every strip,
+// 181-186 broadcast once per block, 175-178 four per load
+// (docs/benchmarks.md, 2026-12-07).
 template <int MR, bool Bf16>
 void tile(const GemmArgs& a, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first, Prefetch pf) {
   if constexpr (MR == 1) {
     row<Bf16>(a, m, p, k0, k1, acc, first, pf);
     return;
-  }
-  for (int64_t kb = k0; kb < k1; kb += kKBlock) {
-    const int64_t ke = k1 < kb + kKBlock ? k1 : kb + kKBlock;
-    for (int c0 = 0; c0 < kPanel; c0 += 8) {
-      const int line = c0 / 16;
-      const Prefetch lp = c0 % 16 == 0 ? Prefetch{line, line + 1, pf.part, pf.parts} : Prefetch{};
-      strip<MR, Bf16>(a, m, p, c0, kb, ke, acc, first && kb == k0, lp);
+  } else {
+    constexpr int64_t per_unit = Bf16 ? 2 : 1;  // x values per k unit
+    __m128 xb[MR * kKBlock * per_unit];
+    const float* x = static_cast<const float*>(a.x) + m * a.x_stride;
+    for (int64_t kb = k0; kb < k1; kb += kKBlock) {
+      const int64_t ke = k1 < kb + kKBlock ? k1 : kb + kKBlock;
+      const int64_t n = (ke - kb) * per_unit;
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = x + r * a.x_stride + kb * per_unit;
+        __m128* dst = xb + r * n;
+        int64_t i = 0;
+        for (; i + 4 <= n; i += 4) {  // four at a time: a load and four shuffles
+          const __m128 v = _mm_loadu_ps(xr + i);
+          dst[i] = _mm_shuffle_ps(v, v, 0x00);
+          dst[i + 1] = _mm_shuffle_ps(v, v, 0x55);
+          dst[i + 2] = _mm_shuffle_ps(v, v, 0xaa);
+          dst[i + 3] = _mm_shuffle_ps(v, v, 0xff);
+        }
+        for (; i < n; ++i) dst[i] = _mm_set1_ps(xr[i]);
+      }
+      for (int c0 = 0; c0 < kPanel; c0 += 8) {
+        const int line = c0 / 16;
+        const Prefetch lp = c0 % 16 == 0 ? Prefetch{line, line + 1, pf.part, pf.parts} : Prefetch{};
+        strip<MR, Bf16>(a, xb, n, p, c0, kb, ke, acc, first && kb == k0, lp);
+      }
     }
   }
 }

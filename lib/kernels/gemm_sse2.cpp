@@ -1,16 +1,17 @@
 // SSE2, which every x86-64 CPU has: the kernels of CPUs without AVX2 and FMA
 // (x86-64 cores before Haswell and Piledriver, Atom-class cores, virtual
 // CPUs that hide AVX). Without FMA each multiply-add is a multiply and an
-// add, each rounded to fp32: these are the one set of FMA-free kernels whose
-// bits differ from the FMA kernels' (the portable kernels keep those bits
-// with libm's fmaf, a call per multiply-add: on such CPUs a Qwen3-0.6B decode
-// step took ten times eager PyTorch's; docs/benchmarks.md, 2026-12-07).
+// add, each rounded to fp32, so these kernels' bits are their own. (The
+// portable kernels keep the FMA kernels' bits with libm's fmaf, a call per
+// multiply-add: a Qwen3-0.6B fp32 decode step took 976 ms on them, about
+// four times eager PyTorch's on such a CPU; docs/benchmarks.md, 2026-12-07.)
 // Each output is still one fp32 accumulator summed over k in order (bf16:
 // k, then k + 1), so a row's result does not depend on the batch, and any
 // x86-64 CPU computes these bits under DMI_KERNELS=sse2.
 //
-// 16 registers of 4 floats: a tile walks the panel in 8-column strips (two
-// accumulators per row: up to 5 rows beside two weight vectors, a
+// 16 registers of 4 floats. One row walks the panel a few k units at a
+// time in two 32-column halves (row(), below); 2 to 5 rows walk it in
+// 8-column strips (two accumulators per row, beside two weight vectors, a
 // broadcast, a product and the bf16 mask), kKBlock units at a time, so that
 // the block the first strips bring in from memory stays in L1 for the rest.
 // Compiled with -msse2 (the x86-64 baseline).
@@ -36,7 +37,7 @@ constexpr int64_t kStripPrefetch = 8192;
 template <int MR, bool Bf16>
 void strip(const GemmArgs& a, const __m128* xb, int64_t n, int64_t p, int c0, int64_t k0, int64_t k1, float* out,
            bool first, Prefetch pf) {
-  static_assert(MR >= 1 && MR <= 5, "10 accumulators beside the weights, broadcast, product and mask");
+  static_assert(MR >= 2 && MR <= 5, "10 accumulators beside the weights, broadcast, product and mask");
   const __m128 *x0 = xb, *x1 = x0 + n, *x2 = x1 + n, *x3 = x2 + n, *x4 = x3 + n;
   const int64_t first_k = (Bf16 ? 2 : 1) * k0;  // x0[k - first_k] is row 0's x[k]
   const __m128 zero = _mm_setzero_ps();
@@ -165,7 +166,7 @@ void row(const GemmArgs& a, int64_t m0, int64_t p, int64_t k0, int64_t k1, float
 // The first strip of each cache line (16 columns) prefetches that line when
 // the tile prefetches (pf.parts > 0, as the AVX2 strips). Batch-8 fp32
 // decode steps on a Zen 3 EPYC (DMI_KERNELS=sse2, 3 alternating rounds):
-// 201-205 ms with a load and a shuffle per row and k in every strip,
+// 203-205 ms with a load and a shuffle per row and k in every strip,
 // 181-186 broadcast once per block, 175-178 four per load
 // (docs/benchmarks.md, 2026-12-07).
 template <int MR, bool Bf16>

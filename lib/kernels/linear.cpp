@@ -82,7 +82,9 @@ std::string describe(Isa isa, at::ScalarType dtype) {
   switch (isa) {
     case Isa::aten: how = "at::linear"; break;
     case Isa::scalar: how = "portable C++"; break;
-    case Isa::sse2: how = dtype == at::kBFloat16 ? "bf16 widened in registers, multiply then add" : "multiply then add"; break;
+    case Isa::sse2:
+      how = dtype == at::kBFloat16 ? "bf16 widened in registers, multiply then add" : "multiply then add";
+      break;
     case Isa::avx2: how = dtype == at::kBFloat16 ? "bf16 widened in registers, FMA" : "FMA"; break;
     case Isa::avx512: how = dtype == at::kBFloat16 ? "bf16 widened in registers, FMA" : "FMA"; break;
     case Isa::avx512_bf16: how = dtype == at::kBFloat16 ? "vdpbf16ps" : "FMA"; break;

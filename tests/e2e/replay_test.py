@@ -320,29 +320,35 @@ elif case == "version1":
     identical(src, out)
     print("version-1 capture replays")
 elif case == "kernels":
-    # A capture made on other linear kernels (DMI_KERNELS=scalar; the default
-    # differs wherever the CPU has AVX2): the replay warns, naming the
+    # A capture made on other linear kernels (DMI_KERNELS=scalar, never the
+    # default on x86-64: sse2 at least): the replay warns, naming the
     # recorded kernels and how to select them; with DMI_KERNELS as recorded
-    # there is no such warning and the replay is bit-identical.
-    flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "").split()
-    if "avx2" not in flags or "fma" not in flags:
-        print("skipped: without AVX2+FMA the default kernels are the scalar ones")
-        print("ok")
-        sys.exit(0)
-    scalar = dict(os.environ, DMI_KERNELS="scalar")
+    # there is no such warning and the replay is bit-identical. The same for
+    # the sse2 kernels (a multiply, then an add: their own bits), which any
+    # x86-64 CPU runs.
     default = {k: v for k, v in os.environ.items() if k != "DMI_KERNELS"}
-    src = os.path.join(tmp, "src.h5")
-    capture(src, "--hooks", "residual", "--dtype", "bfloat16", env=scalar)
-    r = dmi("--replay", src, "-o", os.path.join(tmp, "default.h5"), "--json", env=default)
-    warnings = json.loads(r.stdout)["replay"]["warnings"]
-    hint = [w for w in warnings if w.startswith('environment differs (dmi_kernels: recorded "scalar"')]
-    if len(hint) != 1 or "DMI_KERNELS=scalar selects the recorded ones" not in hint[0]:
-        fail(f"default kernels: warnings {warnings}")
-    r = dmi("--replay", src, "--verify", "-o", os.path.join(tmp, "scalar.h5"), "--json", env=scalar)
-    j = json.loads(r.stdout)["replay"]
-    if any("dmi_kernels" in w for w in j["warnings"]) or not (j["verify"]["equal"] and j["verify"]["bitwise"]):
-        fail(f"DMI_KERNELS=scalar: warnings {j['warnings']}, verify {j['verify']['equal']} {j['verify']['bitwise']}")
-    print("other kernels: warned with", hint[0])
+    cpu_flags = set(next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "").split())
+    hints = []
+    for kernels, dtype in (("scalar", "bfloat16"), ("sse2", "float32")):
+        chosen = dict(os.environ, DMI_KERNELS=kernels)
+        src = os.path.join(tmp, f"src-{kernels}.h5")
+        capture(src, "--hooks", "residual", "--dtype", dtype, env=chosen)
+        r = dmi("--replay", src, "-o", os.path.join(tmp, f"default-{kernels}.h5"), "--json", env=default)
+        warnings = json.loads(r.stdout)["replay"]["warnings"]
+        hint = [w for w in warnings if w.startswith(f'environment differs (dmi_kernels: recorded "{kernels}"')]
+        # Without AVX2 and FMA, sse2 is the default: nothing to warn about.
+        if kernels == "sse2" and not {"avx2", "fma"} <= cpu_flags:
+            if hint:
+                fail(f"sse2 is the default here, yet the replay warned: {hint}")
+            hint = ["sse2: the default here, no warning"]
+        elif len(hint) != 1 or f"DMI_KERNELS={kernels} selects the recorded ones" not in hint[0]:
+            fail(f"default kernels against {kernels}: warnings {warnings}")
+        r = dmi("--replay", src, "--verify", "-o", os.path.join(tmp, f"{kernels}.h5"), "--json", env=chosen)
+        j = json.loads(r.stdout)["replay"]
+        if any("dmi_kernels" in w for w in j["warnings"]) or not (j["verify"]["equal"] and j["verify"]["bitwise"]):
+            fail(f"DMI_KERNELS={kernels}: warnings {j['warnings']}, verify {j['verify']['equal']} {j['verify']['bitwise']}")
+        hints.append(hint[0])
+    print("other kernels: warned with", " | ".join(hints))
 elif case == "bad-input":
     src = os.path.join(tmp, "src.h5")
     capture(src, "--hooks", "resid_post")

@@ -104,9 +104,7 @@ void strip(const GemmArgs& a, int64_t m0, int64_t p, int c0, int64_t k0, int64_t
     c##r##0 = _mm256_fmadd_ps(w0, b, c##r##0);     \
     c##r##1 = _mm256_fmadd_ps(w1, b, c##r##1);     \
   }
-  // The next unit whose line [pf.lo, pf.hi) this strip prefetches (k1: none).
-  int64_t next_pf = k1;
-  if (pf.parts > 0) next_pf = k0 + (pf.part - k0 % pf.parts + pf.parts) % pf.parts;
+  int64_t next_pf = pf.first_unit(k0, k1);  // the next unit whose line [pf.lo, pf.hi) it prefetches
   if constexpr (Bf16) {
     const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel + 2 * c0;
     const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));

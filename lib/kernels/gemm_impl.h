@@ -69,6 +69,13 @@ struct Prefetch {
       for (int i = lo; i < hi; ++i) __builtin_prefetch(c + 64 * i, 0, 3);
     }
   }
+  // A strip's first unit in [k0, k1) with k % parts == part, whose lines it
+  // prefetches, then every parts-th; k1 when it prefetches nothing.
+  inline int64_t first_unit(int64_t k0, int64_t k1) const {
+    if (parts <= 0) return k1;
+    if (parts == 1) return k0;
+    return k0 + (part - k0 % parts + parts) % parts;
+  }
 };
 // A tile that streams whole units and prefetches all their lines.
 constexpr Prefetch kWholeUnits{0, kUnitLines, 0, 1};

@@ -59,10 +59,9 @@ void strip(const GemmArgs& a, const __m128* xb, int64_t n, int64_t p, int c0, in
     c##r##0 = _mm_add_ps(c##r##0, _mm_mul_ps(w0, b));       \
     c##r##1 = _mm_add_ps(c##r##1, _mm_mul_ps(w1, b));       \
   }
-  // The next unit whose line pf.lo this strip prefetches (k1: none).
-  int64_t next_pf = k1;
-  if (pf.parts == 1) next_pf = k0;
-  else if (pf.parts > 1) next_pf = k0 + (pf.part - k0 % pf.parts + pf.parts) % pf.parts;
+  int64_t next_pf = pf.first_unit(k0, k1);  // the next unit whose line pf.lo it prefetches
+  // One line, known as such here: with pf's own bounds, batch-8 fp32 decode
+  // steps took 1.05x as long and prefill 1.10x (Zen 3, 2 alternating rounds).
   const Prefetch line{pf.lo, pf.lo + 1, 0, 1};
   if constexpr (Bf16) {
     const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel + 2 * c0;

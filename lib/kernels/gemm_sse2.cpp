@@ -115,12 +115,13 @@ void strip(const GemmArgs& a, const __m128* xb, int64_t n, int64_t p, int c0, in
 // the panel kRowUnits units at a time, columns [0, 32) then [32, 64) with 8
 // accumulators each (kept in `out` between blocks), prefetching the whole
 // unit kRowPrefetch ahead in the first half when the tile prefetches (a
-// short last tile of a decode-sized batch does not: gemm_impl.h, drive()). Short blocks keep the reads
-// close to sequential: on a Zen 3 EPYC (DMI_KERNELS=sse2, Qwen3-0.6B shape,
-// 2 alternating dmi-bench rounds) batch-1 fp32 steps took 71-84 ms at 4
-// units (72-76 at 2, 83-89 at 8, 97-100 at 32) against 119-127 ms for the
-// 8-column strips below, and 72-83 ms on the AVX2 kernel; bf16 40-42 ms at
-// 4 units, as AVX2 (docs/benchmarks.md, 2026-12-07).
+// short last tile of a decode-sized batch does not: gemm_impl.h, drive()).
+// Short blocks keep the reads close to sequential: on a Zen 3 EPYC
+// (DMI_KERNELS=sse2, Qwen3-0.6B shape, 2 alternating dmi-bench rounds)
+// batch-1 fp32 steps took 71-84 ms at 4 units (72-76 at 2, 83-89 at 8,
+// 97-100 at 32) against 119-134 ms for the 8-column strips below, and 80-83
+// ms on the AVX2 kernel; bf16 40-42 ms at 4 units, AVX2 39-41
+// (docs/benchmarks.md, 2026-12-07).
 constexpr int64_t kRowUnits = 4;
 constexpr int64_t kRowPrefetch = 4096;
 

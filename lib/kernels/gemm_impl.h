@@ -51,8 +51,8 @@ constexpr int kUnitLines = 4;
 // the others reused the block from L1 (Xeon, 4 + 4 rows). A short last tile
 // takes no share (drive()).
 // The AVX2 kernel's tiles walk a unit's four lines in four strips, one after
-// the other, and spread the prefetches instead: each strip takes its own
-// line, on the units k with k % parts == part, where drive() numbers the
+// the other (SSE2: eight, the first of each line prefetching), and spread
+// the prefetches instead: each strip takes its own line, on the units k with k % parts == part, where drive() numbers the
 // prefetching tiles 0 .. parts - 1 of a decode-sized batch (parts == 0: the
 // tile prefetches nothing; a whole-depth tile that prefetches is part 0 of
 // 1). Four lines per unit from the first strip alone, a burst of 64 or 128

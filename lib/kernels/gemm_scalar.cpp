@@ -6,17 +6,6 @@
 
 namespace dmi::kernels::detail {
 
-namespace {
-
-float bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-}  // namespace
-
 void gemm_bf16w_scalar(const GemmArgs& a) {
   drive<1>(a, a.K / 2, [&](auto, auto, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first, Prefetch) {
     const uint16_t* w = static_cast<const uint16_t*>(a.w) + p * a.K * kPanel;
@@ -25,8 +14,8 @@ void gemm_bf16w_scalar(const GemmArgs& a) {
     for (int64_t kp = k0; kp < k1; ++kp)
       for (int64_t n = 0; n < kPanel; ++n) {
         const uint16_t* pair = w + (kp * kPanel + n) * 2;
-        acc[n] = fmaf(bf16_to_float(pair[0]), x[2 * kp], acc[n]);
-        acc[n] = fmaf(bf16_to_float(pair[1]), x[2 * kp + 1], acc[n]);
+        acc[n] = fmaf(bf16_value(pair[0]), x[2 * kp], acc[n]);
+        acc[n] = fmaf(bf16_value(pair[1]), x[2 * kp + 1], acc[n]);
       }
   });
 }

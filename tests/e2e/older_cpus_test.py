@@ -122,7 +122,10 @@ elif case == "capture-replay":
         run([QEMU, "-cpu", "Conroe", dmi_run, *args], env=emulated_env())
         with h5py.File(src, "r") as f:
             recorded = json.loads(f.attrs["environment"])
-        if recorded["dmi_kernels"] != "sse2" or recorded["aten_cpu_capability"] not in ("NO AVX", "DEFAULT"):
+        # The record describes the CPU the run saw (CPUID), not the host's
+        # /proc/cpuinfo, which qemu-user passes through.
+        if (recorded["dmi_kernels"] != "sse2" or recorded["aten_cpu_capability"] not in ("NO AVX", "DEFAULT")
+                or recorded["cpu_flags"] != [] or "Conroe" not in recorded["cpu_model"]):
             fail(f"{model_name}: under Conroe the capture records {recorded}")
 
         # This CPU's defaults: other kernels, so other bits, and warnings that

@@ -23,6 +23,11 @@ ATen on ATEN_CPU_CAPABILITY=default, OpenBLAS on its Nehalem (SSE) kernels,
 oneDNN capped at SSE41, and dmi with DMI_KERNELS=sse2. dmi's row loops
 (kernels/ops.cpp: norms, rotary, softmax, SwiGLU) are target_clones chosen by
 the CPU itself, so they still take their AVX2 clones on an AVX2 machine.
+--emulate-avx runs them as on an x86-64 CPU with AVX but without AVX2 and FMA
+(Sandy Bridge, Ivy Bridge): ATen on its default kernels (it has no AVX
+level), OpenBLAS on its Sandybridge (AVX) kernels, oneDNN capped at AVX, and
+dmi with DMI_KERNELS=sse2 (the kernels dmi picks there; --emulate-kernels
+KERNELS names others).
 
 Reported per batch size: decode tokens/s of each engine and dmi/eager
 (target: >= 3x at batch 8), TPOT / the weight-read floor that dmi-bench
@@ -56,6 +61,11 @@ def engine_env(a, kernels=None):
         env["OPENBLAS_CORETYPE"] = "Nehalem"
         env["ONEDNN_MAX_CPU_ISA"] = env["DNNL_MAX_CPU_ISA"] = "SSE41"
         env["DMI_KERNELS"] = "sse2"
+    if a.emulate_avx:
+        env["ATEN_CPU_CAPABILITY"] = "default"
+        env["OPENBLAS_CORETYPE"] = "Sandybridge"
+        env["ONEDNN_MAX_CPU_ISA"] = env["DNNL_MAX_CPU_ISA"] = "AVX"
+        env["DMI_KERNELS"] = a.emulate_kernels
     if kernels:
         env["DMI_KERNELS"] = kernels
     return env
@@ -114,6 +124,10 @@ def main():
                     help="cap oneDNN and dmi's kernels below AVX512-BF16 (see above)")
     ap.add_argument("--emulate-sse2", action="store_true",
                     help="run ATen, OpenBLAS, oneDNN and dmi's kernels as on a CPU without AVX (see above)")
+    ap.add_argument("--emulate-avx", action="store_true",
+                    help="run them as on a CPU with AVX but without AVX2 and FMA (see above)")
+    ap.add_argument("--emulate-kernels", default="sse2", metavar="KERNELS",
+                    help="dmi's kernels under --emulate-avx (default: sse2)")
     ap.add_argument("--dmi-bench", default=os.path.join(ROOT, "build", "bin", "dmi-bench"))
     ap.add_argument("--before-bench", metavar="PATH",
                     help="also run this dmi-bench binary (e.g. one built from an earlier commit) as 'dmi[before]'")
@@ -121,8 +135,8 @@ def main():
     a = ap.parse_args()
     if a.rounds < 1 or a.new_tokens < 2:
         sys.exit("bench_vs_eager: --rounds must be >= 1 and --new-tokens >= 2")
-    if a.emulate_no_bf16 and a.emulate_sse2:
-        sys.exit("bench_vs_eager: --emulate-no-bf16 and --emulate-sse2 exclude each other")
+    if a.emulate_no_bf16 + a.emulate_sse2 + a.emulate_avx > 1:
+        sys.exit("bench_vs_eager: --emulate-no-bf16, --emulate-sse2 and --emulate-avx exclude each other")
     engines = [("eager", lambda out: run_eager(a, out)), ("dmi", lambda out: run_dmi(a, out))]
     if a.before:
         engines.append((f"dmi[{a.before}]", lambda out: run_dmi(a, out, a.before)))
@@ -146,7 +160,9 @@ def main():
     print(f"{a.dtype}, prompt {a.prompt_len} + {a.new_tokens} new tokens, {a.rounds} rounds; kernels {m['kernels']}"
           + ("; emulating a CPU without AVX512-BF16 (oneDNN capped at avx512_core_vnni)" if a.emulate_no_bf16 else "")
           + ("; emulating a CPU without AVX (ATen default, OpenBLAS Nehalem, oneDNN SSE41, dmi sse2)"
-             if a.emulate_sse2 else ""))
+             if a.emulate_sse2 else "")
+          + (f"; emulating a CPU with AVX, without AVX2 and FMA (ATen default, OpenBLAS Sandybridge, oneDNN AVX,"
+             f" dmi {a.emulate_kernels})" if a.emulate_avx else ""))
     print(f"CPU {m['cpu_model']} [{' '.join(m['cpu_flags'])}]")
     floors = [rd["meta"]["dmi"]["floor_ms"] for rd in rounds]
     print(f"weight-read floor {statistics.median(floors):.1f} ms/step (read bandwidth "

@@ -16,8 +16,8 @@
 // thread split: a row's result does not depend on the rows beside it. The
 // scalar, AVX2 and AVX-512 kernels use the same fused multiply-adds in the
 // same order and agree bit for bit; the AVX512-BF16 kernel (vdpbf16ps) and
-// the SSE2 kernel (a multiply, then an add) round differently and agree
-// with themselves.
+// the SSE2 and AVX kernels (a multiply, then an add) round differently and
+// agree with themselves (AVX and SSE2 with each other).
 #pragma once
 
 #include <stddef.h>
@@ -96,11 +96,13 @@ struct GemmArgs {
 void gemm_bf16w_avx512bf16(const GemmArgs& a);
 void gemm_bf16w_avx512(const GemmArgs& a);
 void gemm_bf16w_avx2(const GemmArgs& a);
+void gemm_bf16w_avx(const GemmArgs& a);   // multiply, then add: the SSE2 kernels' bits (gemm_avx.cpp)
 void gemm_bf16w_sse2(const GemmArgs& a);  // multiply, then add: its own bits (gemm_sse2.cpp)
 void gemm_bf16w_scalar(const GemmArgs& a);
 // fp32 weights, fp32 x.
 void gemm_f32w_avx512(const GemmArgs& a);
 void gemm_f32w_avx2(const GemmArgs& a);
+void gemm_f32w_avx(const GemmArgs& a);
 void gemm_f32w_sse2(const GemmArgs& a);
 void gemm_f32w_scalar(const GemmArgs& a);
 
@@ -110,6 +112,7 @@ void gemm_f32w_scalar(const GemmArgs& a);
 int64_t peak_macs_avx512bf16(int64_t iterations);
 int64_t peak_macs_avx512(int64_t iterations);
 int64_t peak_macs_avx2(int64_t iterations);
+int64_t peak_macs_avx(int64_t iterations);   // a multiply and an add
 int64_t peak_macs_sse2(int64_t iterations);  // a multiply and an add
 
 // Their loop: a = op(a) on 12 independent accumulators, `iterations` times.

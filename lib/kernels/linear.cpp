@@ -25,6 +25,7 @@ const char* isa_name(Isa isa) {
     case Isa::aten: return "aten";
     case Isa::scalar: return "scalar";
     case Isa::sse2: return "sse2";
+    case Isa::avx: return "avx";
     case Isa::avx2: return "avx2";
     case Isa::avx512: return "avx512";
     case Isa::avx512_bf16: return "avx512_bf16";
@@ -33,9 +34,9 @@ const char* isa_name(Isa isa) {
 }
 
 Isa parse_isa(const std::string& name) {
-  for (Isa i : {Isa::aten, Isa::scalar, Isa::sse2, Isa::avx2, Isa::avx512, Isa::avx512_bf16})
+  for (Isa i : {Isa::aten, Isa::scalar, Isa::sse2, Isa::avx, Isa::avx2, Isa::avx512, Isa::avx512_bf16})
     if (name == isa_name(i)) return i;
-  DMI_FAIL("kernels '{}': expected one of aten, scalar, sse2, avx2, avx512, avx512_bf16", name);
+  DMI_FAIL("kernels '{}': expected one of aten, scalar, sse2, avx, avx2, avx512, avx512_bf16", name);
 }
 
 Isa detect_isa() {
@@ -44,6 +45,8 @@ Isa detect_isa() {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16")) return Isa::avx512_bf16;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) return Isa::avx512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
+    // Sandy and Ivy Bridge: a 256-bit multiply and add (gemm_avx.cpp).
+    if (__builtin_cpu_supports("avx")) return Isa::avx;
     // Every x86-64 CPU: without FMA, the portable kernels' fmaf is a libm
     // call per multiply-add (gemm_sse2.cpp).
     if (__builtin_cpu_supports("sse2")) return Isa::sse2;
@@ -83,6 +86,7 @@ std::string describe(Isa isa, at::ScalarType dtype) {
     case Isa::aten: how = "at::linear"; break;
     case Isa::scalar: how = "portable C++"; break;
     case Isa::sse2:
+    case Isa::avx:
       how = dtype == at::kBFloat16 ? "bf16 widened in registers, multiply then add" : "multiply then add";
       break;
     case Isa::avx2: how = dtype == at::kBFloat16 ? "bf16 widened in registers, FMA" : "FMA"; break;
@@ -103,6 +107,8 @@ PeakRate measure_peak_macs_per_second(Isa isa, at::ScalarType dtype) {
     loop = detail::peak_macs_avx512, rate.instruction = "FMA zmm";
   } else if (isa == Isa::avx2) {
     loop = detail::peak_macs_avx2, rate.instruction = "FMA ymm";
+  } else if (isa == Isa::avx) {
+    loop = detail::peak_macs_avx, rate.instruction = "vmulps+vaddps ymm";
   } else if (isa == Isa::sse2) {
     loop = detail::peak_macs_sse2, rate.instruction = "mulps+addps";
   } else {
@@ -257,6 +263,7 @@ at::Tensor PackedLinear::run(const at::Tensor& x, Isa isa) const {
     case Isa::avx512_bf16: fn = bf16 ? detail::gemm_bf16w_avx512bf16 : detail::gemm_f32w_avx512; break;
     case Isa::avx512: fn = bf16 ? detail::gemm_bf16w_avx512 : detail::gemm_f32w_avx512; break;
     case Isa::avx2: fn = bf16 ? detail::gemm_bf16w_avx2 : detail::gemm_f32w_avx2; break;
+    case Isa::avx: fn = bf16 ? detail::gemm_bf16w_avx : detail::gemm_f32w_avx; break;
     case Isa::sse2: fn = bf16 ? detail::gemm_bf16w_sse2 : detail::gemm_f32w_sse2; break;
     default: fn = bf16 ? detail::gemm_bf16w_scalar : detail::gemm_f32w_scalar; break;
   }

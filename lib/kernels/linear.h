@@ -17,13 +17,14 @@
 namespace dmi::kernels {
 
 // In order: a CPU that runs one runs those before it. sse2 (every x86-64
-// CPU) multiplies, then adds: the kernels of CPUs without AVX2 and FMA,
-// rounded differently from scalar, avx2 and avx512 (gemm_impl.h), which
-// agree bit for bit.
-enum class Isa { aten, scalar, sse2, avx2, avx512, avx512_bf16 };
+// CPU) and avx (Sandy and Ivy Bridge) multiply, then add: the kernels of
+// CPUs without AVX2 and FMA, which agree with each other bit for bit and
+// round differently from scalar, avx2 and avx512 (gemm_impl.h), which agree
+// bit for bit.
+enum class Isa { aten, scalar, sse2, avx, avx2, avx512, avx512_bf16 };
 
 const char* isa_name(Isa isa);
-// "aten", "scalar", "sse2", "avx2", "avx512", "avx512_bf16"; throws dmi::Error otherwise.
+// "aten", "scalar", "sse2", "avx", "avx2", "avx512", "avx512_bf16"; throws dmi::Error otherwise.
 Isa parse_isa(const std::string& name);
 // The best kernels this CPU (and OS) supports: sse2 at least on x86-64.
 Isa detect_isa();

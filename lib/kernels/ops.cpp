@@ -249,7 +249,7 @@ DMI_CLONES void scores_row_cloned(const bf16* q, const bf16* k, const bool* m, b
 
 // The instruction set whose attention kernels run (attention_avx512.cpp,
 // attention_avx2.cpp): the CPU's, or less where $DMI_KERNELS, read once per
-// process, asks for less (avx2, sse2 or scalar, e.g. to measure what an older CPU
+// process, asks for less (avx2, avx, sse2 or scalar, e.g. to measure what an older CPU
 // runs; aten keeps the CPU's). The same bits either way. An invalid value is
 // reported where the projections are built, never from here (this may run
 // in a parallel region).

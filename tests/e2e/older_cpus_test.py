@@ -9,12 +9,14 @@ instruction under Ivy Bridge, an AVX one under Core 2).
 unit-<Model>   the numerics' unit tests (kernels, ops, model references,
                batch invariance) under qemu's <Model>: Conroe (Core 2: SSSE3,
                no SSE4.1, no AVX) or IvyBridge (AVX without AVX2 and FMA).
-capture-replay dmi-run captures under Conroe (fp32 and bf16 models) record
-               the sse2 kernels and ATen's portable ones; replayed here with
-               this CPU's defaults they differ and the warnings name the
-               variables that select the recorded kernels; with those
-               variables they replay bit for bit. A capture under oneDNN capped
-               at AVX: the warning names ONEDNN_MAX_CPU_ISA=AVX.
+capture-replay dmi-run captures under Conroe (fp32 and bf16 models) and Ivy
+               Bridge (fp32) record the sse2 or avx kernels, ATen's portable
+               ones and the emulated CPU; replayed here with this CPU's
+               defaults they differ and the warnings name the variables
+               that select the recorded kernels; with those variables they
+               replay bit for bit (the Ivy Bridge one on sse2 too). A
+               capture under oneDNN capped at AVX: the warning names
+               ONEDNN_MAX_CPU_ISA=AVX.
 
 dmi-run re-executes itself through /proc/self/exe to set its environment
 (engine/runtime.cpp); qemu-user would hand that exec to the host kernel,
@@ -106,33 +108,37 @@ if case.startswith("unit-"):
     print(f"qemu -cpu {model}: {counts[0]}")
 
 elif case == "capture-replay":
-    if not qemu_refuses_avx2("Conroe"):
-        fail("qemu -cpu Conroe ran an AVX2 instruction: the emulated CPU would not test anything")
+    for cpu in ("Conroe", "IvyBridge"):
+        if not qemu_refuses_avx2(cpu):
+            fail(f"qemu -cpu {cpu} ran an AVX2 instruction: the emulated CPU would not test anything")
     tmp = tempfile.mkdtemp(prefix="dmi-oldcpu-")
     dmi_run = os.path.join(bin_dir, "dmi-run")
-    selecting = {"DMI_KERNELS": "sse2", "ATEN_CPU_CAPABILITY": "default"}
     with open("/proc/cpuinfo") as f:
         native_has_avx2 = any(line.startswith("flags") and " avx2" in line for line in f)
-    for model_name in ("qwen3-untied-f32", "qwen3-qknorm-bf16-misaligned"):
-        src = os.path.join(tmp, model_name + ".h5")
+    # (emulated CPU, model, the kernels and flags it must record)
+    runs = [("Conroe", "qwen3-untied-f32", "sse2", []), ("Conroe", "qwen3-qknorm-bf16-misaligned", "sse2", []),
+            ("IvyBridge", "qwen3-untied-f32", "avx", ["avx", "f16c"])]
+    for cpu, model_name, kernels, flags in runs:
+        selecting = {"DMI_KERNELS": kernels, "ATEN_CPU_CAPABILITY": "default"}
+        src = os.path.join(tmp, f"{cpu}-{model_name}.h5")
         args = ["-q", "--model", os.path.join(models, model_name), "-n", "5", "--batch-size", "3",
                 "--hooks", "full", "-o", src]
         for p in PROMPTS:
             args += ["--prompt-ids", ",".join(map(str, p))]
-        run([QEMU, "-cpu", "Conroe", dmi_run, *args], env=emulated_env())
+        run([QEMU, "-cpu", cpu, dmi_run, *args], env=emulated_env())
         with h5py.File(src, "r") as f:
             recorded = json.loads(f.attrs["environment"])
         # The record describes the CPU the run saw (CPUID), not the host's
         # /proc/cpuinfo, which qemu-user passes through.
-        if (recorded["dmi_kernels"] != "sse2" or recorded["aten_cpu_capability"] not in ("NO AVX", "DEFAULT")
-                or recorded["cpu_flags"] != [] or "Conroe" not in recorded["cpu_model"]):
-            fail(f"{model_name}: under Conroe the capture records {recorded}")
+        if (recorded["dmi_kernels"] != kernels or recorded["aten_cpu_capability"] not in ("NO AVX", "DEFAULT")
+                or recorded["cpu_flags"] != flags or cpu.replace("IvyBridge", "Ivy Bridge") not in recorded["cpu_model"]):
+            fail(f"{model_name}: under {cpu} the capture records {recorded}")
 
         # This CPU's defaults: other kernels, so other bits, and warnings that
         # name the way to the recorded ones.
         # (Where this CPU has AVX2, as every machine this suite has run on.)
         if native_has_avx2:
-            r = run([dmi_run, "--replay", src, "--verify", "--json", "-o", os.path.join(tmp, model_name + "-default.h5")],
+            r = run([dmi_run, "--replay", src, "--verify", "--json", "-o", os.path.join(tmp, f"{cpu}-{model_name}-default.h5")],
                     env=native_env(), expect_rc=None)
             rep = json.loads(r.stdout)
             if r.returncode != 1 or rep["replay"]["verify"]["equal"]:
@@ -146,7 +152,7 @@ elif case == "capture-replay":
                 fail(f"{model_name}: warnings {hints} do not name {missing}")
 
         # The variables the warnings named: bit for bit.
-        r = run([dmi_run, "--replay", src, "--verify", "--json", "-o", os.path.join(tmp, model_name + "-selected.h5")],
+        r = run([dmi_run, "--replay", src, "--verify", "--json", "-o", os.path.join(tmp, f"{cpu}-{model_name}-selected.h5")],
                 env=native_env(**selecting), expect_rc=None)
         rep = json.loads(r.stdout)
         v = rep["replay"]["verify"]
@@ -156,7 +162,14 @@ elif case == "capture-replay":
                  f"bitwise {v['bitwise']}, sites differing {bad[:5]}")
         if any("dmi_kernels" in w or "aten_cpu_capability" in w for w in rep["replay"]["warnings"]):
             fail(f"{model_name}: warnings left under {selecting}: {rep['replay']['warnings']}")
-        print(f"{model_name}: captured under Conroe ({recorded['dmi_kernels']}, ATen {recorded['aten_cpu_capability']},"
+        if kernels == "avx":
+            # sse2 computes avx's bits: the same replay on it.
+            r = run([dmi_run, "--replay", src, "--verify", "--json", "-o", os.path.join(tmp, f"{cpu}-on-sse2.h5")],
+                    env=native_env(DMI_KERNELS="sse2", ATEN_CPU_CAPABILITY="default"), expect_rc=None)
+            v = json.loads(r.stdout)["replay"]["verify"]
+            if r.returncode != 0 or not (v["equal"] and v["bitwise"]):
+                fail(f"{model_name}: the {cpu} capture on sse2: exit {r.returncode}, equal {v['equal']}")
+        print(f"{model_name}: captured under {cpu} ({recorded['dmi_kernels']}, ATen {recorded['aten_cpu_capability']},"
               f" OpenBLAS {recorded['openblas_core']}); replayed bit for bit under {selecting}; "
               f"{len(v['sites'])} sites")
 

@@ -30,7 +30,7 @@ namespace {
 
 std::vector<Isa> supported() {
   std::vector<Isa> out;
-  for (Isa i : {Isa::scalar, Isa::sse2, Isa::avx2, Isa::avx512, Isa::avx512_bf16})
+  for (Isa i : {Isa::scalar, Isa::sse2, Isa::avx, Isa::avx2, Isa::avx512, Isa::avx512_bf16})
     if (static_cast<int>(i) <= static_cast<int>(dmi::kernels::detect_isa())) out.push_back(i);
   return out;
 }
@@ -39,9 +39,9 @@ bool same_bits(const at::Tensor& a, const at::Tensor& b) {
   return a.sizes() == b.sizes() && at::equal(a.contiguous().view(at::kByte), b.contiguous().view(at::kByte));
 }
 
-// Kernels whose bits are their own: vdpbf16ps (bf16 weights) and SSE2's multiply-then-add.
+// Kernels whose bits are their own: vdpbf16ps (bf16 weights) and SSE2's and AVX's multiply-then-add.
 bool own_bits(Isa isa, at::ScalarType dtype) {
-  return isa == Isa::sse2 || (isa == Isa::avx512_bf16 && dtype == at::kBFloat16);
+  return isa == Isa::sse2 || isa == Isa::avx || (isa == Isa::avx512_bf16 && dtype == at::kBFloat16);
 }
 
 struct Shape {
@@ -99,11 +99,12 @@ TEST_CASE("kernels: scalar, AVX2 and AVX-512 agree bit for bit") {
   }
 }
 
-TEST_CASE("kernels: SSE2 rounds each product, then each sum, over k in order: an ATen op per step, bit for bit") {
+TEST_CASE("kernels: SSE2 and AVX round each product, then each sum, over k in order: an ATen op per step, bit for bit") {
   // The reference: y = ((0 + x[:, 0] w[:, 0]) + x[:, 1] w[:, 1]) + ..., every multiply and add an ATen
   // elementwise op on fp32 (bf16 weights and inputs widened exactly), then the bias in fp32, then the
   // output's dtype (round to nearest even). The same rows as the bitwise test above: one-row passes,
-  // 4-row decode tiles in k blocks with a short last tile, 5-row prefill tiles in row blocks.
+  // 4-row decode tiles in k blocks with a short last tile, 5-row (AVX fp32: 6-row) prefill tiles in row
+  // blocks. AVX where the CPU has it (tests/e2e/older_cpus_test.py runs this under qemu's Ivy Bridge).
   at::manual_seed(7);
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
     const at::Tensor w = at::randn({200, 130}).to(dtype), b = at::randn({200}).to(dtype);
@@ -116,10 +117,14 @@ TEST_CASE("kernels: SSE2 rounds each product, then each sum, over k in order: an
       const at::Tensor want = at::add(acc, b.to(at::kFloat)).to(dtype);
       CAPTURE(std::string(c10::toString(dtype)));
       CAPTURE(m);
-      const at::Tensor got = lin.run(x, Isa::sse2);
-      CHECK(same_bits(got, want));
-      // The FMA kernels' fp32 bits differ (in bf16 outputs the difference rarely survives the rounding).
-      if (dtype == at::kFloat && m == 8) CHECK(!same_bits(got, lin.run(x, Isa::scalar)));
+      for (Isa isa : supported()) {
+        if (isa != Isa::sse2 && isa != Isa::avx) continue;
+        CAPTURE(dmi::kernels::isa_name(isa));
+        const at::Tensor got = lin.run(x, isa);
+        CHECK(same_bits(got, want));
+        // The FMA kernels' fp32 bits differ (in bf16 outputs the difference rarely survives the rounding).
+        if (dtype == at::kFloat && m == 8) CHECK(!same_bits(got, lin.run(x, Isa::scalar)));
+      }
     }
   }
 }
@@ -262,6 +267,7 @@ TEST_CASE("kernels: the peak multiply-add rate is measured with each kernel's ow
       }
       CHECK(r.macs_per_second > 0);
       const char* want = isa == Isa::sse2                                           ? "mulps+addps"
+                         : isa == Isa::avx                                         ? "vmulps+vaddps ymm"
                          : isa == Isa::avx2                                        ? "FMA ymm"
                          : isa == Isa::avx512_bf16 && dtype == at::kBFloat16 ? "vdpbf16ps"
                                                                                     : "FMA zmm";

@@ -26,8 +26,11 @@ the CPU itself, so they still take their AVX2 clones on an AVX2 machine.
 --emulate-avx runs them as on an x86-64 CPU with AVX but without AVX2 and FMA
 (Sandy Bridge, Ivy Bridge): ATen on its default kernels (it has no AVX
 level), OpenBLAS on its Sandybridge (AVX) kernels, oneDNN capped at AVX, and
-dmi with DMI_KERNELS=sse2 (the kernels dmi picks there; --emulate-kernels
-KERNELS names others).
+dmi with DMI_KERNELS=sse2 (the kernels dmi picks there: avx since
+2026-12-07; --emulate-kernels KERNELS names them). The row loops' caveat
+holds for both: to run them as such a CPU does, pass --dmi-bench a build
+whose ops.cpp DMI_CLONES is empty (docs/benchmarks.md, 2026-12-07 second
+session).
 
 Reported per batch size: decode tokens/s of each engine and dmi/eager
 (target: >= 3x at batch 8), TPOT / the weight-read floor that dmi-bench

@@ -26,11 +26,11 @@ the CPU itself, so they still take their AVX2 clones on an AVX2 machine.
 --emulate-avx runs them as on an x86-64 CPU with AVX but without AVX2 and FMA
 (Sandy Bridge, Ivy Bridge): ATen on its default kernels (it has no AVX
 level), OpenBLAS on its Sandybridge (AVX) kernels, oneDNN capped at AVX, and
-dmi with DMI_KERNELS=sse2 (the kernels dmi picks there: avx since
-2026-12-07; --emulate-kernels KERNELS names them). The row loops' caveat
-holds for both: to run them as such a CPU does, pass --dmi-bench a build
-whose ops.cpp DMI_CLONES is empty (docs/benchmarks.md, 2026-12-07 second
-session).
+dmi with DMI_KERNELS=avx (the kernels dmi picks there; --emulate-kernels
+KERNELS names others, e.g. sse2, what it picked before 2026-12-07). The row
+loops' caveat holds for both: to run them as such a CPU does, pass
+--dmi-bench a build whose ops.cpp DMI_CLONES is empty (docs/benchmarks.md,
+2026-12-07 second session).
 
 Reported per batch size: decode tokens/s of each engine and dmi/eager
 (target: >= 3x at batch 8), TPOT / the weight-read floor that dmi-bench
@@ -129,8 +129,8 @@ def main():
                     help="run ATen, OpenBLAS, oneDNN and dmi's kernels as on a CPU without AVX (see above)")
     ap.add_argument("--emulate-avx", action="store_true",
                     help="run them as on a CPU with AVX but without AVX2 and FMA (see above)")
-    ap.add_argument("--emulate-kernels", default="sse2", metavar="KERNELS",
-                    help="dmi's kernels under --emulate-avx (default: sse2)")
+    ap.add_argument("--emulate-kernels", default="avx", metavar="KERNELS",
+                    help="dmi's kernels under --emulate-avx (default: avx)")
     ap.add_argument("--dmi-bench", default=os.path.join(ROOT, "build", "bin", "dmi-bench"))
     ap.add_argument("--before-bench", metavar="PATH",
                     help="also run this dmi-bench binary (e.g. one built from an earlier commit) as 'dmi[before]'")

@@ -29,21 +29,8 @@ inline __m256 bf16_odd(__m256i v, __m256 mask) { return _mm256_and_ps(_mm256_cas
 
 }  // namespace
 
-// As the AVX2 kernels: one row a whole-depth pass per panel; 2 to 32 rows
-// 4-row tiles in k blocks; prefill 5-row (bf16) or 6-row (fp32) tiles.
-void gemm_bf16w_avx(const GemmArgs& a) {
-  drive<5, 4, 1>(a, a.K / 2, [&](auto mr, auto, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
-                                Prefetch pf) {
-    tile<decltype(mr)::value, true>(a, m, p, k0, k1, acc, first, pf);
-  });
-}
-
-void gemm_f32w_avx(const GemmArgs& a) {
-  drive<6, 4, 1>(a, a.K, [&](auto mr, auto, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
-                            Prefetch pf) {
-    tile<decltype(mr)::value, false>(a, m, p, k0, k1, acc, first, pf);
-  });
-}
+void gemm_bf16w_avx(const GemmArgs& a) { gemm_bf16w_tiles(a); }
+void gemm_f32w_avx(const GemmArgs& a) { gemm_f32w_tiles(a); }
 
 // kernels/linear.h, measure_peak_macs_per_second: a 256-bit multiply and an
 // add, 8 multiply-adds per pair (the chain through both, as the SSE2 loop).

@@ -21,26 +21,8 @@ inline __m256 bf16_odd(__m256i v, __m256 mask) {
 
 }  // namespace
 
-// One row (batch-1 decode): a whole-depth pass per panel. 2 to 32 rows
-// (decode batches): 4-row tiles in k blocks (drive()'s decode-sized path),
-// so the strips read an 8 KiB block from L1 while memory streams the next
-// (a whole-depth multi-strip tile would re-read the panel from L2 with
-// memory idle), and batch 8 runs two even tiles of 8 accumulators. More
-// rows (prefill): whole-depth 5-row (bf16) or 6-row (fp32) tiles in row
-// blocks.
-void gemm_bf16w_avx2(const GemmArgs& a) {
-  drive<5, 4, 1>(a, a.K / 2, [&](auto mr, auto, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
-                                Prefetch pf) {
-    tile<decltype(mr)::value, true>(a, m, p, k0, k1, acc, first, pf);
-  });
-}
-
-void gemm_f32w_avx2(const GemmArgs& a) {
-  drive<6, 4, 1>(a, a.K, [&](auto mr, auto, int64_t m, int64_t p, int64_t k0, int64_t k1, float* acc, bool first,
-                            Prefetch pf) {
-    tile<decltype(mr)::value, false>(a, m, p, k0, k1, acc, first, pf);
-  });
-}
+void gemm_bf16w_avx2(const GemmArgs& a) { gemm_bf16w_tiles(a); }
+void gemm_f32w_avx2(const GemmArgs& a) { gemm_f32w_tiles(a); }
 
 // kernels/linear.h, measure_peak_macs_per_second: the 256-bit fp32 FMA
 // alone, 8 multiply-adds each (12 chains and 2 operands: 14 of the 16

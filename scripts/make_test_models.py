@@ -47,7 +47,7 @@ CASES = {
         extra={"rope_theta": 1000000.0}),
     "qwen3-qknorm-bf16-misaligned": dict(
         arch="Qwen3ForCausalLM", file_dtype=torch.bfloat16, tie=True, kv=1, shards=1, misalign=True,
-        head_dim=24, extra={"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+        head_dim=32, extra={"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
     "qwen3-untied-f32": dict(
         arch="Qwen3ForCausalLM", file_dtype=torch.float32, tie=False, kv=2, shards=1, head_dim=16,
         extra={"rope_theta": 10000.0}),

@@ -174,6 +174,7 @@ Source read_source(const ReplayOptions& o) {
 // portable kernels too (the rotary tables are ATen's cos and sin).
 std::string selecting_variable(const std::string& key, const std::string& recorded) {
   if (key == "dmi_kernels") return "DMI_KERNELS=" + recorded;
+  if (key == "dmi_attention") return recorded == "portable" ? "DMI_ATTENTION=portable" : "";
   if (key == "aten_cpu_capability") {
     // at::show_config()'s names: "NO AVX" (1.13) or "DEFAULT" (2.x), "AVX2", "AVX512".
     if (recorded == "NO AVX" || recorded == "DEFAULT") return "ATEN_CPU_CAPABILITY=default";
@@ -193,11 +194,14 @@ std::string selecting_variable(const std::string& key, const std::string& record
 }
 
 // Differences in what decides the numbers besides model and settings.
-std::vector<std::string> environment_differences(const json& recorded, const json& now) {
+// A capture made before dmi recorded dmi_attention had the portable
+// attention (vdpbf16ps attention came with it, 2026-12-07).
+std::vector<std::string> environment_differences(json recorded, const json& now) {
   std::vector<std::string> out;
   if (!recorded.is_object()) return out;
-  for (const std::string key :
-       {"libtorch_version", "cpu_flags", "dmi_kernels", "aten_cpu_capability", "onednn_isa", "openblas_core"})
+  if (recorded.contains("dmi_kernels") && !recorded.contains("dmi_attention")) recorded["dmi_attention"] = "portable";
+  for (const std::string key : {"libtorch_version", "cpu_flags", "dmi_kernels", "dmi_attention", "aten_cpu_capability",
+                                "onednn_isa", "openblas_core"})
     if (recorded.contains(key) && recorded[key] != now[key]) {
       std::string d = fmt::format("{}: recorded {}, now {}", key, recorded[key].dump(), now[key].dump());
       if (recorded[key].is_string())

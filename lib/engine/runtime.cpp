@@ -3,6 +3,7 @@
 #include "common/error.h"
 #include "kernels/linear.h"
 #include "kernels/memory.h"
+#include "kernels/ops.h"
 #include "model/causal_lm.h"
 
 #include <ATen/Parallel.h>
@@ -111,6 +112,8 @@ std::string environment_json(int threads) {
   j["aten_cpu_capability"] = aten;
   // The linear layers' kernels (kernels/linear.h): bit patterns depend on them.
   j["dmi_kernels"] = kernels::isa_name(kernels::selected_isa());
+  // bf16 attention's arithmetic (kernels/ops.h): "vdpbf16ps" or "portable".
+  j["dmi_attention"] = kernels::attention_arithmetic();
   j["onednn_isa"] = onednn_isa();
   using CoreName = char* (*)();
   auto core = reinterpret_cast<CoreName>(::dlsym(RTLD_DEFAULT, "openblas_get_corename"));

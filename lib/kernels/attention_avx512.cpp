@@ -12,20 +12,7 @@ namespace dmi::kernels::detail {
 
 namespace {
 
-inline float reduce16(__m512 acc) {
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc),
-                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
-inline __m512 widen(const uint16_t* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-constexpr int kMaxChunks = kBlockMaxD / 16;  // head_dim up to 512
+#include "kernels/attention_avx512_common.inc"
 
 }  // namespace
 
@@ -77,79 +64,6 @@ bool scores_row_avx512(const float* q, const float* kb, const bool* m, float* o,
 
 namespace {
 
-inline __m512 load_f32(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_f32(const uint16_t* p) { return widen(p); }
-inline float value(const float* p, int64_t i) { return p[i]; }
-inline float value(const uint16_t* p, int64_t i) { return bf16_value(p[i]); }
-
-// float -> bfloat16 bits in the low half of each 32-bit lane: to_bf16() on 16 lanes.
-inline __m512i to_bf16_lanes(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  const __mmask16 nan =
-      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  return _mm512_mask_blend_epi32(nan, rounded, quiet_nan);
-}
-
-// v rounded to the dtype of the pointer and back (ops.cpp's round_to).
-inline __m512 round_to16(__m512 v, const uint16_t*) { return _mm512_castsi512_ps(_mm512_slli_epi32(to_bf16_lanes(v), 16)); }
-inline __m512 round_to16(__m512 v, const float*) { return v; }
-
-// 16 results: bf16 (rounded as to_bf16) or fp32.
-inline void store16(uint16_t* o, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(to_bf16_lanes(v)));
-}
-inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
-
-// r[j] = reduce16(a[j]) for 16 vectors, with reduce16's pairs (lane l with
-// l + 8, then + 4, + 2, + 1). The result lands transposed: lane 4k + i holds
-// a[4i + k] (scores_group permutes it back).
-inline __m512 reduce16x16(const __m512* a) {
-  __m512 s8[8], s4[4], s2[2];
-  for (int m = 0; m < 8; ++m)  // [lo 8 of a, lo 8 of b] + [hi 8 of a, hi 8 of b]
-    s8[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
-                          _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xee));
-  for (int n = 0; n < 4; ++n)  // 128-bit quarters 0, 2 against 1, 3
-    s4[n] = _mm512_add_ps(_mm512_shuffle_f32x4(s8[2 * n], s8[2 * n + 1], 0x88),
-                          _mm512_shuffle_f32x4(s8[2 * n], s8[2 * n + 1], 0xdd));
-  for (int o = 0; o < 2; ++o)  // within each quarter: elements 0, 1 against 2, 3
-    s2[o] = _mm512_add_ps(_mm512_shuffle_ps(s4[2 * o], s4[2 * o + 1], 0x44),
-                          _mm512_shuffle_ps(s4[2 * o], s4[2 * o + 1], 0xee));
-  return _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], 0x88), _mm512_shuffle_ps(s2[0], s2[1], 0xdd));
-}
-
-// 16 scores of one row: round as scores_row_avx512 does, -inf where masked.
-inline void store_scores(uint16_t* o, __m512 dots, float scale, __mmask16 masked) {
-  __m512i bits = to_bf16_lanes(_mm512_mul_ps(round_to16(dots, o), _mm512_set1_ps(scale)));
-  bits = _mm512_mask_blend_epi32(masked, bits, _mm512_set1_epi32(0xff80));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(bits));
-}
-inline void store_scores(float* o, __m512 dots, float scale, __mmask16 masked) {
-  const __m512 v = _mm512_mul_ps(dots, _mm512_set1_ps(scale));
-  _mm512_storeu_ps(o, _mm512_mask_blend_ps(masked, v, _mm512_set1_ps(-__builtin_inff())));
-}
-template <class E>
-inline void store_row(E* o, const float* acc, int64_t D) {
-  for (int64_t d = 0; d < D; d += 16) store16(o + d, _mm512_loadu_ps(acc + d));
-}
-
-// Bit i set when key c0 + i is masked for this row (bool bytes).
-inline __mmask16 masked16(const bool* m) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m));
-  return static_cast<__mmask16>(_mm_movemask_epi8(_mm_cmpgt_epi8(bytes, _mm_setzero_si128())));
-}
-
-// Bit j set when key j of a chunk of n (<= 16) keys is masked for this row:
-// masked16 for a whole chunk, only the n bytes of a shorter last one.
-inline __mmask16 chunk_mask(const bool* m, int n) {
-  if (n == 16) return masked16(m);
-  __mmask16 k = 0;
-  for (int j = 0; j < n; ++j) k = static_cast<__mmask16>(k | (m[j] ? 1u << j : 0u));
-  return k;
-}
-
 // A row's weights of a chunk of n (<= kBlockKeys) keys in fp32 into pf;
 // returns bit j set where weight j is live: not +-0 (a NaN is live).
 template <class E>
@@ -168,14 +82,6 @@ inline uint32_t chunk_weights(const E* p, int64_t n, float* pf) {
   return live;
 }
 
-// -inf in the dtype, n times.
-inline void fill_neg_inf(float* o, int n) {
-  for (int j = 0; j < n; ++j) o[j] = -__builtin_inff();
-}
-inline void fill_neg_inf(uint16_t* o, int n) {
-  for (int j = 0; j < n; ++j) o[j] = 0xff80;
-}
-
 // The keys (or values) [c0, c0 + n) as fp32 rows D apart: bf16 widened into
 // w, fp32 read where they lie.
 inline const float* rows_f32(const float* kb, int64_t c0, int64_t, int64_t D, float*) { return kb + c0 * D; }
@@ -183,16 +89,6 @@ inline const float* rows_f32(const uint16_t* kb, int64_t c0, int64_t n, int64_t 
   for (int64_t j = 0; j < n; ++j)
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(w + j * D + d, widen(kb + (c0 + j) * D + d));
   return w;
-}
-
-// A block's rows run in groups of 4, then 2 and 1 for the rest:
-// fn(Int<ROWS>, r0) for each group (Int: gemm_impl.h).
-template <class Fn>
-inline void for_groups(int rows, Fn fn) {
-  int r0 = 0;
-  for (; r0 + 4 <= rows; r0 += 4) fn(Int<4>{}, r0);
-  if (r0 + 2 <= rows) fn(Int<2>{}, r0), r0 += 2;
-  if (r0 < rows) fn(Int<1>{}, r0);
 }
 
 // Scores of rows [r0, r0 + ROWS) against the first n (<= 16) of 16 keys (K:
@@ -500,33 +396,13 @@ bool norm_rope_row_t(const E* x, const E* w, const E* c, const E* s, E* o, int64
 // needs no horizontal sums: lanes are keys.
 
 // kt[d][j] = key c0 + j, element d, in fp32 (j < 16; zero past n): 16 keys
-// transposed in 16 x 16 blocks (unpack, shuffle within 128-bit quarters,
-// then across quarters).
+// transposed in 16 x 16 blocks.
 template <class E>
 inline void transpose_keys(const E* kb, int64_t c0, int n, int64_t D, float* kt) {
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
-    __m512 r[16], t[16];
+    __m512 r[16];
     for (int j = 0; j < 16; ++j) r[j] = j < n ? load_f32(kb + (c0 + j) * D + d0) : _mm512_setzero_ps();
-    for (int i = 0; i < 8; ++i) {  // per quarter q: rows 2i, 2i + 1 at columns 4q, 4q + 1 (lo) or 4q + 2, 4q + 3 (hi)
-      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int g = 0; g < 4; ++g) {  // r[4g + c], quarter q: rows 4g..4g + 3 at column 4q + c
-      r[4 * g] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
-      r[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xee);
-      r[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
-      r[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xee);
-    }
-    for (int c = 0; c < 4; ++c) {  // column 4q + c: quarter q of r[c], r[4 + c], r[8 + c], r[12 + c]
-      const __m512 lo02 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);  // quarters 0, 2 of rows 0-7
-      const __m512 hi02 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
-      const __m512 lo13 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xdd);  // quarters 1, 3
-      const __m512 hi13 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xdd);
-      _mm512_storeu_ps(kt + (d0 + c) * 16, _mm512_shuffle_f32x4(lo02, hi02, 0x88));
-      _mm512_storeu_ps(kt + (d0 + 8 + c) * 16, _mm512_shuffle_f32x4(lo02, hi02, 0xdd));
-      _mm512_storeu_ps(kt + (d0 + 4 + c) * 16, _mm512_shuffle_f32x4(lo13, hi13, 0x88));
-      _mm512_storeu_ps(kt + (d0 + 12 + c) * 16, _mm512_shuffle_f32x4(lo13, hi13, 0xdd));
-    }
+    transpose16(r, kt + d0 * 16);
   }
 }
 
@@ -574,26 +450,6 @@ inline void scores_tile(const float* qw, const float* kt, const __mmask16* maske
       memcpy(o[r] + c0, lanes, static_cast<size_t>(n) * sizeof(E));
     }
   }
-}
-
-// The keys each group of rows (for_groups' groups) reads: up to the last
-// key that any of its rows does not mask (0 when all are masked), given as
-// fn(group, r0, end). Past it the group's scores are -inf, its weights 0:
-// not computed, not read.
-template <class Fn>
-inline void for_group_ends(const bool* const* m, int rows, int64_t L, Fn fn) {
-  for_groups(rows, [&](auto g, int r0) {
-    int64_t end = 0;
-    for (int r = r0; r < r0 + decltype(g)::value; ++r) {
-      int64_t c = L;
-      while (c >= 64 + end && _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(m[r] + c - 64),
-                                                        _mm512_set1_epi32(0x01010101)) == 0)  // 64 masked
-        c -= 64;
-      while (c > end && m[r][c - 1]) --c;
-      end = c;
-    }
-    fn(g, r0, end);
-  });
 }
 
 // Scores of `rows` rows against keys [0, ends[r]) (the end of row r's group,
@@ -657,12 +513,6 @@ void values_many_t(const E* const* p, E* const* o, int rows, const int64_t* ends
     });
   }
   for (int r = 0; r < rows; ++r) store_row(o[r], acc + r * D, D);
-}
-
-// end rounded up to a whole chunk of `chunk` keys, at most L.
-inline int64_t chunk_end(int64_t end, int64_t chunk, int64_t L) {
-  const int64_t e = (end + chunk - 1) / chunk * chunk;
-  return e < L ? e : L;
 }
 
 // Scores, softmax and values of up to kManyRows rows (attention_many_avx512).

@@ -185,6 +185,18 @@ void attention_many_avx512(const float* const* q, const bool* const* masked, flo
                            const float* keys, const float* values, int64_t L, int64_t D, float scale, float* scratch,
                            float* scores);
 
+// bf16 attention on vdpbf16ps (attention_avx512bf16.cpp): the block and
+// many-row calls above for bf16 rows, D a multiple of 32 (at most
+// kBlockMaxD), the same scratch; bits of their own (that file's header),
+// which decode, prefill, blocks and rows share.
+void scores_block_avx512bf16(const uint16_t* const* q, const bool* const* masked, uint16_t* const* out, int rows,
+                             const uint16_t* keys, int64_t L, int64_t D, float scale);
+void values_block_avx512bf16(const uint16_t* const* probs, uint16_t* const* out, int rows, const uint16_t* values,
+                             int64_t L, int64_t D, float* scratch);
+void attention_many_avx512bf16(const uint16_t* const* q, const bool* const* masked, uint16_t* const* out, int rows,
+                               const uint16_t* keys, const uint16_t* values, int64_t L, int64_t D, float scale,
+                               float* scratch, uint16_t* scores);
+
 // One softmax row (kernels/ops.cpp's softmax_row, the same bits): e holds n floats.
 void softmax_row_avx512(const uint16_t* x, uint16_t* out, int64_t n, float* e);
 void softmax_row_avx512(const float* x, float* out, int64_t n, float* e);

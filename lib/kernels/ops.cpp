@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common/error.h"
@@ -247,12 +249,21 @@ DMI_CLONES void values_row_any(const bf16* p, const bf16* v, bf16* o, std::int64
 DMI_CLONES void scores_row_cloned(const float* q, const float* k, const bool* m, float* o, std::int64_t L, std::int64_t D, float s) { scores_row(q, k, m, o, L, D, s); }
 DMI_CLONES void scores_row_cloned(const bf16* q, const bf16* k, const bool* m, bf16* o, std::int64_t L, std::int64_t D, float s) { scores_row(q, k, m, o, L, D, s); }
 
-// The instruction set whose attention kernels run (attention_avx512.cpp,
-// attention_avx2.cpp): the CPU's, or less where $DMI_KERNELS, read once per
-// process, asks for less (avx2, avx, sse2 or scalar, e.g. to measure what an older CPU
-// runs; aten keeps the CPU's). The same bits either way. An invalid value is
+// The instruction set whose attention kernels run (attention_avx512bf16.cpp,
+// attention_avx512.cpp, attention_avx2.cpp): the CPU's, or less where
+// $DMI_KERNELS, read once per process, asks for less (avx512, avx2, avx, sse2
+// or scalar, e.g. to measure what an older CPU runs; aten keeps the CPU's).
+// The same bits either way, except bf16 attention on avx512_bf16
+// (dp_attention below). An invalid value is
 // reported where the projections are built, never from here (this may run
 // in a parallel region).
+bool portable_attention_requested() {
+  const char* env = std::getenv("DMI_ATTENTION");
+  if (!env || !*env) return false;
+  DMI_CHECK(std::string(env) == "portable", "DMI_ATTENTION={}: the one value is 'portable' (unset: the default)", env);
+  return true;
+}
+
 Isa attention_isa() {
   static const Isa isa = [] {
     Isa chosen = detect_isa();
@@ -265,6 +276,25 @@ Isa attention_isa() {
   return isa;
 }
 bool has_avx512() { return static_cast<int>(attention_isa()) >= static_cast<int>(Isa::avx512); }
+// bf16 attention on vdpbf16ps (attention_avx512bf16.cpp), where the blocked
+// kernels run: with AVX512-BF16 and head_dim a multiple of 32. Its bits are
+// its own (as the projections' on that instruction set); every bf16
+// attention op of a model takes the same choice, so decode and prefill,
+// fused and separate, keep agreeing.
+// $DMI_ATTENTION=portable keeps it off (read once per process; an invalid
+// value is reported by attention_arithmetic(), at the model's load, never
+// from here).
+template <class E>
+bool dp_attention(std::int64_t D) {
+  static const bool portable = [] {
+    try {
+      return portable_attention_requested();
+    } catch (const Error&) {
+      return false;
+    }
+  }();
+  return std::is_same_v<E, bf16> && !portable && attention_isa() == Isa::avx512_bf16 && D % 32 == 0;
+}
 bool has_avx2() { return static_cast<int>(attention_isa()) >= static_cast<int>(Isa::avx2); }
 
 template <class E>
@@ -450,6 +480,8 @@ void scores_impl(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, co
           orow[r] = op + ((b * H + rh[r]) * T + rt[r]) * L;
         }
         const E* kb = kp + (b * KV + kv) * cap * D;
+        if constexpr (std::is_same_v<E, bf16>)
+          if (dp_attention<E>(D)) return detail::scores_block_avx512bf16(qr, mr, orow, rows, kb, L, D, scale);
         if (has_avx512()) detail::scores_block_avx512(qr, mr, orow, rows, kb, L, D, scale, scratch);
         else detail::scores_block_avx2(qr, mr, orow, rows, kb, L, D, scale, scratch);
       });
@@ -481,6 +513,8 @@ void values_impl(const at::Tensor& probs, const at::Tensor& values, std::int64_t
           orow[r] = op + ((b * T + rt[r]) * H + rh[r]) * D;
         }
         const E* vb = vp + (b * KV + kv) * cap * D;
+        if constexpr (std::is_same_v<E, bf16>)
+          if (dp_attention<E>(D)) return detail::values_block_avx512bf16(pr, orow, rows, vb, L, D, scratch);
         if (has_avx512()) detail::values_block_avx512(pr, orow, rows, vb, L, D, scratch);
         else detail::values_block_avx2(pr, orow, rows, vb, L, D, scratch);
       });
@@ -533,7 +567,10 @@ bool fused_impl(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& v
         }
         const E* kb = kp + (b * KV + kv) * cap * D;
         const E* vb = vp + (b * KV + kv) * cap * D;
+        const bool dp = dp_attention<E>(D);
         if (many) {
+          if constexpr (std::is_same_v<E, bf16>)
+            if (dp) return detail::attention_many_avx512bf16(qr, mr, orow, rows, kb, vb, L, D, scale, buf, sp.data());
           detail::attention_many_avx512(qr, mr, orow, rows, kb, vb, L, D, scale, buf, sp.data());
           return;
         }
@@ -543,6 +580,14 @@ bool fused_impl(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& v
         for (int r = 0; r < rows; ++r) {
           sr[r] = sp.data() + r * L;
           pr[r] = sp.data() + (detail::kBlockRows + r) * L;
+        }
+        if constexpr (std::is_same_v<E, bf16>) {
+          if (dp) {
+            detail::scores_block_avx512bf16(qr, mr, sr, rows, kb, L, D, scale);
+            for (int r = 0; r < rows; ++r) detail::softmax_row_avx512(sr[r], pr[r], L, e.data());
+            detail::values_block_avx512bf16(pr, orow, rows, vb, L, D, buf);
+            return;
+          }
         }
         if (has_avx512()) {
           detail::scores_block_avx512(qr, mr, sr, rows, kb, L, D, scale, buf);
@@ -718,6 +763,15 @@ at::Tensor softmax(const at::Tensor& scores) {
     softmax_rows(reinterpret_cast<const std::uint16_t*>(xc.data_ptr()), reinterpret_cast<std::uint16_t*>(out.data_ptr()),
                  rows, n);
   return out;
+}
+
+std::string attention_arithmetic() {
+  const bool portable = portable_attention_requested();  // throws on an invalid value
+  return !portable && attention_isa() == Isa::avx512_bf16 ? "vdpbf16ps" : "portable";
+}
+
+bool bf16_attention_on_vdpbf16ps(std::int64_t head_dim) {
+  return dp_attention<bf16>(head_dim) && head_dim <= detail::kBlockMaxD;
 }
 
 at::Tensor attention_scores(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, const at::Tensor& masked,

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string>
 
 namespace dmi::kernels {
 
@@ -65,6 +66,20 @@ at::Tensor softmax(const at::Tensor& scores);
 // z [B, T, H, D] = probs [B, H, T, L] · values [B, KV, capacity, D] (columns
 // [0, L)), accumulated in fp32 over columns in order, rounded to the dtype.
 at::Tensor attention_values(const at::Tensor& probs, const at::Tensor& values, std::int64_t L);
+
+// Whether bf16 attention with this head_dim runs on vdpbf16ps here (the
+// AVX512-BF16 kernels selected, head_dim a multiple of 32, where the blocked
+// kernels run: head_dim at most 512, at most 16 query heads per KV head).
+// Then attention_scores and attention_values sum their bf16 products in
+// vdpbf16ps's order (pairs of elements or of keys; attention_avx512bf16.cpp),
+// not in the order above: bits of their own, shared by decode and prefill.
+// $DMI_ATTENTION=portable keeps the order above (dmi's attention before
+// 2026-12-07), e.g. to replay a capture made with it.
+bool bf16_attention_on_vdpbf16ps(std::int64_t head_dim);
+// "vdpbf16ps" where bf16 attention runs on it (head_dim permitting), else
+// "portable": recorded in each capture's environment (dmi_attention).
+// Throws dmi::Error when $DMI_ATTENTION is set to anything but "portable".
+std::string attention_arithmetic();
 
 // attention_values(softmax(attention_scores(q, keys, L, masked, scale)),
 // values, L), the same bits, without materializing scores and probabilities

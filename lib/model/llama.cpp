@@ -27,6 +27,7 @@ LlamaFamily::LlamaFamily(io::ModelConfig cfg, const io::WeightStore& w, at::Scal
   // The projections are packed once for the selected kernels
   // (kernels/linear.h); q/k/v and gate/up become one matrix each.
   const kernels::Isa isa = kernels::selected_isa();
+  kernels::attention_arithmetic();  // an invalid $DMI_ATTENTION is reported here, at the load
   auto linear = [&](std::vector<at::Tensor> ws, std::vector<at::Tensor> bs) {
     return kernels::PackedLinear(ws, bs, dtype, isa);
   };

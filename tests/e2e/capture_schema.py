@@ -112,7 +112,7 @@ for i, (model, extra) in enumerate(runs):
             sys.exit(f"FAIL: model_fingerprint {fp}")
         env = json.loads(f.attrs["environment"])
         for k in ["dmi_version", "libtorch_version", "cpu_model", "cpu_flags", "aten_cpu_capability", "onednn_isa",
-                  "openblas_core", "threads"]:
+                  "openblas_core", "threads", "dmi_kernels", "dmi_attention"]:
             if k not in env:
                 sys.exit(f"FAIL: environment lacks {k}")
         if "--monitor" in extra and f["monitors/attn-tracker/score"].shape != (2,):

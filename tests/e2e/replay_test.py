@@ -359,6 +359,37 @@ elif case == "kernels":
         if not (j["verify"]["equal"] and j["verify"]["bitwise"]):
             fail(f"an avx capture replayed on sse2: verify {j['verify']['equal']} {j['verify']['bitwise']}")
         hints.append("avx capture replayed on sse2 bit for bit")
+    # bf16 attention on vdpbf16ps (AVX512-BF16 kernels) has bits of its own:
+    # a capture made with the portable attention (DMI_ATTENTION=portable, as
+    # every capture before dmi recorded dmi_attention) warns where the
+    # default differs, naming the variable, and replays bit for bit with it.
+    # The Qwen3 test model: head_dim 32, where vdpbf16ps attention runs.
+    qwen3 = os.path.join(models, "qwen3-qknorm-bf16-misaligned")
+    src = os.path.join(tmp, "src-portable-attention.h5")
+    portable = dict(default, DMI_ATTENTION="portable")
+    capture(src, "--hooks", "residual", "--dtype", "bfloat16", model=qwen3, env=portable)
+    with h5py.File(src, "r") as f:
+        if json.loads(f.attrs["environment"])["dmi_attention"] != "portable":
+            fail("DMI_ATTENTION=portable: the capture records another attention")
+    now = os.path.join(tmp, "default-attention.h5")
+    capture(now, "--hooks", "resid_post", "--dtype", "bfloat16", model=qwen3, env=default)
+    with h5py.File(now, "r") as f:
+        here = json.loads(f.attrs["environment"])["dmi_attention"]
+    r = dmi("--replay", src, "-o", os.path.join(tmp, "portable-on-default.h5"), "--json", env=default)
+    hint = [w for w in json.loads(r.stdout)["replay"]["warnings"] if "dmi_attention" in w]
+    if here == "vdpbf16ps" and (len(hint) != 1 or "DMI_ATTENTION=portable selects the recorded one" not in hint[0]):
+        fail(f"portable attention replayed on vdpbf16ps: warnings {hint}")
+    if here == "portable" and hint:
+        fail(f"portable attention is the default here, yet the replay warned: {hint}")
+    r = dmi("--replay", src, "--verify", "-o", os.path.join(tmp, "portable-again.h5"), "--json", env=portable)
+    j = json.loads(r.stdout)["replay"]
+    if any("dmi_attention" in w for w in j["warnings"]) or not (j["verify"]["equal"] and j["verify"]["bitwise"]):
+        fail(f"DMI_ATTENTION=portable: warnings {j['warnings']}, verify {j['verify']['equal']} {j['verify']['bitwise']}")
+    hints.append(f"portable attention ({here} here): " + (hint[0] if hint else "no warning"))
+    r = dmi("--replay", src, "-o", os.path.join(tmp, "bad-attention.h5"), env=dict(default, DMI_ATTENTION="fast"),
+            expect_rc=2)
+    if "DMI_ATTENTION=fast" not in r.stderr:
+        fail(f"DMI_ATTENTION=fast: exit {r.returncode}, {r.stderr!r}")
     print("other kernels: warned with", " | ".join(hints))
 elif case == "bad-input":
     src = os.path.join(tmp, "src.h5")

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <optional>
@@ -508,9 +509,77 @@ at::Tensor ref_values(const at::Tensor& probs, const at::Tensor& values, std::in
   return out.to(dtype);
 }
 
+// vdpbf16ps on one lane as Intel's pseudocode gives it: the odd product, then
+// the even one, each a fused multiply-add with round to nearest even, inputs
+// and results below FLT_MIN taken as zero (checked against a Zen 5 EPYC's
+// instruction on 3.2 M random operands, denormals among them; the other
+// orders tried, even first or the two products summed first, differed).
+float flush(float v) { return std::fpclassify(v) == FP_SUBNORMAL ? std::copysign(0.0f, v) : v; }
+float ref_dpbf16(float acc, float a0, float a1, float b0, float b1) {
+  acc = flush(std::fma(flush(a1), flush(b1), flush(acc)));
+  return flush(std::fma(flush(a0), flush(b0), acc));
+}
+
+// The AVX512-BF16 attention arithmetic (bf16 only), written out: lane l of a
+// score takes the element pairs (32 i + 2 l, + 1) for i in order, then the
+// same tree and roundings; a value output takes the key pairs (c, c + 1), c
+// even, in order, a key of weight 0 (or past L) as +0 * +0, a pair of two
+// such keys skipped.
+at::Tensor ref_scores_dp(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, const at::Tensor& masked,
+                         float scale) {
+  const std::int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3), G = H / keys.size(1);
+  at::Tensor qf = q.to(at::kFloat).contiguous(), kf = keys.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({B, H, T, L}, at::kFloat);
+  auto qa = qf.accessor<float, 4>(), ka = kf.accessor<float, 4>();
+  auto ma = masked.accessor<bool, 4>();
+  auto oa = out.accessor<float, 4>();
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < T; ++t)
+        for (std::int64_t c = 0; c < L; ++c) {
+          if (ma[b][0][t][c]) {
+            oa[b][h][t][c] = -std::numeric_limits<float>::infinity();
+            continue;
+          }
+          float lane[16] = {};
+          for (std::int64_t i = 0; i < D; i += 32)
+            for (int l = 0; l < 16; ++l) {
+              const std::int64_t d = i + 2 * l;
+              lane[l] = ref_dpbf16(lane[l], qa[b][t][h][d], qa[b][t][h][d + 1], ka[b][h / G][c][d], ka[b][h / G][c][d + 1]);
+            }
+          for (int w = 8; w >= 1; w /= 2)
+            for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+          oa[b][h][t][c] = ref_round(ref_round(lane[0], at::kBFloat16) * scale, at::kBFloat16);
+        }
+  return out.to(at::kBFloat16);
+}
+
+at::Tensor ref_values_dp(const at::Tensor& probs, const at::Tensor& values, std::int64_t L) {
+  const std::int64_t B = probs.size(0), H = probs.size(1), T = probs.size(2), D = values.size(3);
+  const std::int64_t G = H / values.size(1);
+  at::Tensor pf = probs.to(at::kFloat).contiguous(), vf = values.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({B, T, H, D}, at::kFloat);
+  auto pa = pf.accessor<float, 4>(), va = vf.accessor<float, 4>();
+  auto oa = out.accessor<float, 4>();
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < T; ++t)
+        for (std::int64_t d = 0; d < D; ++d) {
+          float acc = 0.0f;
+          for (std::int64_t c = 0; c < L; c += 2) {
+            const bool live0 = pa[b][h][t][c] != 0.0f, live1 = c + 1 < L && pa[b][h][t][c + 1] != 0.0f;
+            if (!live0 && !live1) continue;
+            acc = ref_dpbf16(acc, live0 ? pa[b][h][t][c] : 0.0f, live1 ? pa[b][h][t][c + 1] : 0.0f,
+                             live0 ? va[b][h / G][c][d] : 0.0f, live1 ? va[b][h / G][c + 1][d] : 0.0f);
+          }
+          oa[b][t][h][d] = acc;
+        }
+  return out.to(at::kBFloat16);
+}
+
 }  // namespace
 
-TEST_CASE("ops: prefill attention (blocks of rows, fused or not) has the portable arithmetic's bits, row by row") {
+TEST_CASE("ops: prefill attention (blocks of rows, fused or not) has the written-out arithmetic's bits (portable, or vdpbf16ps's), row by row") {
   at::manual_seed(11);
   // head_dim 48 (three 16-lane chunks) and 128; G = 1, 2, 4, 8; lengths that
   // leave partial key blocks and partial position blocks; causal and padding
@@ -533,8 +602,26 @@ TEST_CASE("ops: prefill attention (blocks of rows, fused or not) has the portabl
       CAPTURE(cs.D);
       CAPTURE(c10::toString(dtype));
       const std::int64_t L = cs.start + cs.T, cap = L + 3;
-      at::Tensor q = at::randn({cs.B, cs.T, cs.H, cs.D}).to(dtype);
-      at::Tensor keys = at::randn({cs.B, cs.KV, cap, cs.D}).to(dtype), values = at::randn({cs.B, cs.KV, cap, cs.D}).to(dtype);
+      at::Tensor q = at::randn({cs.B, cs.T, cs.H, cs.D});
+      at::Tensor keys = at::randn({cs.B, cs.KV, cap, cs.D}), values = at::randn({cs.B, cs.KV, cap, cs.D});
+      // Sums whose order shows in their rounding: terms of +-256 that cancel
+      // exactly, while the terms added between them lose low bits to the
+      // accumulator. In every score, element d1's product cancels d2's (the
+      // keys' two columns equal, q's opposite); in every output, key c1's
+      // value cancels c2's (the keys equal, so their weights are; the values
+      // opposite) where a row sees both. With randn alone, bf16 results hid
+      // most orders: a lane pairing mixed up still passed.
+      const std::int64_t d1 = 1, d2 = cs.D - 3, c1 = 1, c2 = std::min<std::int64_t>(12, L - 1);
+      keys.select(3, d2).copy_(keys.select(3, d1));
+      q.select(3, d1).copy_(at::sign(at::randn({cs.B, cs.T, cs.H})) * 256);
+      q.select(3, d2).copy_(-q.select(3, d1));
+      keys.select(2, c2).copy_(keys.select(2, c1));
+      values.select(2, c1).copy_(at::sign(at::randn({cs.B, cs.KV, cs.D})) * 256);
+      values.select(2, c2).copy_(-values.select(2, c1));
+      q = q.to(dtype), keys = keys.to(dtype), values = values.to(dtype);
+      // With AVX512-BF16, bf16 attention sums in vdpbf16ps's order instead.
+      const bool dp = dtype == at::kBFloat16 && dmi::kernels::bf16_attention_on_vdpbf16ps(cs.D);
+      CAPTURE(dp);
       // An infinite value at the last key, which only the last position
       // weighs: every other row must skip it (0 * inf would be NaN).
       values.select(2, L - 1).select(2, 0).fill_(std::numeric_limits<double>::infinity());
@@ -545,10 +632,10 @@ TEST_CASE("ops: prefill attention (blocks of rows, fused or not) has the portabl
       masked.select(0, 0).select(1, cs.T / 2).fill_(true);  // a row with no key (a padding position's): zeros
       const float scale = 1.0f / std::sqrt(static_cast<float>(cs.D));
       at::Tensor s = dmi::kernels::attention_scores(q, keys, L, masked, scale);
-      CHECK(at::equal(s, ref_scores(q, keys, L, masked, scale)));
+      CHECK(at::equal(s, dp ? ref_scores_dp(q, keys, L, masked, scale) : ref_scores(q, keys, L, masked, scale)));
       at::Tensor p = dmi::kernels::softmax(s);
       at::Tensor z = dmi::kernels::attention_values(p, values, L);
-      CHECK(at::equal(z, ref_values(p, values, L)));
+      CHECK(at::equal(z, dp ? ref_values_dp(p, values, L) : ref_values(p, values, L)));
       // The last position alone (a decode step): the same bits as its prefill row.
       const std::int64_t t = cs.T - 1;
       at::Tensor s1 = dmi::kernels::attention_scores(q.narrow(1, t, 1), keys, L, masked.narrow(2, t, 1), scale);

@@ -146,21 +146,7 @@ void scores_block_t(const E* const* q, const bool* const* m, E* const* o, int ro
   float* kw = scratch + kBlockRows * D;  // [16][D]
   for (int r = 0; r < rows; ++r)
     for (int64_t i = 0; i < chunks; ++i) _mm512_storeu_ps(qw + r * D + 16 * i, load_f32(q[r] + 16 * i));
-  // Decode-sized blocks: 16 keys per chunk, asked for two chunks ahead.
-  if (rows <= 4) prefetch_rows(kb, 0, 32, L, D);
-  for (int64_t c0 = 0; c0 < L; c0 += 16) {
-    const int n = L - c0 < 16 ? static_cast<int>(L - c0) : 16;
-    if (rows <= 4) prefetch_rows(kb, c0 + 32, c0 + 48, L, D);
-    __mmask16 masked[kBlockRows];
-    bool any = false;
-    for (int r = 0; r < rows; ++r) {
-      masked[r] = chunk_mask(m[r] + c0, n);
-      any = any || masked[r] != static_cast<__mmask16>((1u << n) - 1);
-    }
-    if (!any) {
-      for (int r = 0; r < rows; ++r) fill_neg_inf(o[r] + c0, n);
-      continue;
-    }
+  for_score_chunks(m, o, rows, kb, L, D, [&](int64_t c0, int n, const __mmask16* masked) {
     auto groups = [&](const auto* keys) {
       for_groups(rows, [&](auto g, int r0) {
         const int done = scores_group<decltype(g)::value>(qw, r0, masked, keys, n, chunks, D, scale, o, c0);
@@ -171,7 +157,7 @@ void scores_block_t(const E* const* q, const bool* const* m, E* const* o, int ro
     };
     if (rows <= 4) groups(kb + c0 * D);
     else groups(rows_f32(kb, c0, n, D, kw));
-  }
+  });
 }
 
 // Rows [r0, r0 + ROWS) of a block, columns [d0, d0 + 16 PIECES), over the n
@@ -462,27 +448,10 @@ void scores_many_t(const E* const* q, const bool* const* m, E* const* o, int row
                    const E* kb, int64_t L, int64_t D, float scale, float* qw, float* kt) {
   for (int r = 0; r < rows; ++r)
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(qw + r * D + d, load_f32(q[r] + d));
-  for (int64_t c0 = 0; c0 < L; c0 += 16) {
-    const int n = L - c0 < 16 ? static_cast<int>(L - c0) : 16;
-    const __mmask16 all = static_cast<__mmask16>((1u << n) - 1);
-    bool transposed = false;
-    for_groups(rows, [&](auto g, int r0) {
-      constexpr int ROWS = decltype(g)::value;
-      if (ends[r0] <= c0) return;
-      __mmask16 masked[ROWS];
-      bool any = false;
-      for (int r = 0; r < ROWS; ++r) {
-        masked[r] = chunk_mask(m[r0 + r] + c0, n);
-        any = any || masked[r] != all;
-      }
-      if (!any) {
-        for (int r = 0; r < ROWS; ++r) fill_neg_inf(o[r0 + r] + c0, n);
-        return;
-      }
-      if (!transposed) transpose_keys(kb, c0, n, D, kt), transposed = true;
-      scores_tile<ROWS>(qw + r0 * D, kt, masked, D, scale, o + r0, c0, n);
-    });
-  }
+  for_score_chunks_many(m, o, rows, ends, L, [&](auto g, int r0, int64_t c0, int n, const __mmask16* masked, bool first) {
+    if (first) transpose_keys(kb, c0, n, D, kt);
+    scores_tile<decltype(g)::value>(qw + r0 * D, kt, masked, D, scale, o + r0, c0, n);
+  });
 }
 
 // Values of `rows` rows (weights p, [rows][L]) over keys [0, ends[r]) (as

@@ -91,21 +91,7 @@ inline int scores_group(const uint16_t* const* q, int r0, const __mmask16* maske
 
 void scores_block(const uint16_t* const* q, const bool* const* m, uint16_t* const* o, int rows, const uint16_t* kb,
                   int64_t L, int64_t D, float scale) {
-  // Decode-sized blocks: 16 keys per chunk, asked for two chunks ahead.
-  if (rows <= 4) prefetch_rows(kb, 0, 32, L, D);
-  for (int64_t c0 = 0; c0 < L; c0 += 16) {
-    const int n = L - c0 < 16 ? static_cast<int>(L - c0) : 16;
-    if (rows <= 4) prefetch_rows(kb, c0 + 32, c0 + 48, L, D);
-    __mmask16 masked[kBlockRows];
-    bool any = false;
-    for (int r = 0; r < rows; ++r) {
-      masked[r] = chunk_mask(m[r] + c0, n);
-      any = any || masked[r] != static_cast<__mmask16>((1u << n) - 1);
-    }
-    if (!any) {
-      for (int r = 0; r < rows; ++r) fill_neg_inf(o[r] + c0, n);
-      continue;
-    }
+  for_score_chunks(m, o, rows, kb, L, D, [&](int64_t c0, int n, const __mmask16* masked) {
     for_groups(rows, [&](auto g, int r0) {
       constexpr int ROWS = decltype(g)::value;
       const int done = scores_group<ROWS>(q, r0, masked, kb + c0 * D, n, D, scale, o, c0);
@@ -113,7 +99,7 @@ void scores_block(const uint16_t* const* q, const bool* const* m, uint16_t* cons
         for (int r = r0; r < r0 + ROWS; ++r)
           scores_row(q[r], kb + (c0 + done) * D, m[r] + c0 + done, o[r] + c0 + done, n - done, D, scale);
     });
-  }
+  });
 }
 
 // kt[w][j] = pair word w of key c0 + j (j < 16; zero past n): 16 keys
@@ -178,27 +164,10 @@ inline void scores_tile(const uint16_t* const* q, const float* kt, const __mmask
 // (2 and 1 for the rest).
 void scores_many(const uint16_t* const* q, const bool* const* m, uint16_t* const* o, int rows, const int64_t* ends,
                  const uint16_t* kb, int64_t L, int64_t D, float scale, float* kt) {
-  for (int64_t c0 = 0; c0 < L; c0 += 16) {
-    const int n = L - c0 < 16 ? static_cast<int>(L - c0) : 16;
-    const __mmask16 all = static_cast<__mmask16>((1u << n) - 1);
-    bool transposed = false;
-    for_groups(rows, [&](auto g, int r0) {
-      constexpr int ROWS = decltype(g)::value;
-      if (ends[r0] <= c0) return;
-      __mmask16 masked[ROWS];
-      bool any = false;
-      for (int r = 0; r < ROWS; ++r) {
-        masked[r] = chunk_mask(m[r0 + r] + c0, n);
-        any = any || masked[r] != all;
-      }
-      if (!any) {
-        for (int r = 0; r < ROWS; ++r) fill_neg_inf(o[r0 + r] + c0, n);
-        return;
-      }
-      if (!transposed) transpose_pairs(kb, c0, n, D, kt), transposed = true;
-      scores_tile<ROWS>(q + r0, kt, masked, D, scale, o + r0, c0, n);
-    });
-  }
+  for_score_chunks_many(m, o, rows, ends, L, [&](auto g, int r0, int64_t c0, int n, const __mmask16* masked, bool first) {
+    if (first) transpose_pairs(kb, c0, n, D, kt);
+    scores_tile<decltype(g)::value>(q + r0, kt, masked, D, scale, o + r0, c0, n);
+  });
 }
 
 // ---------------------------------------------------------------------------

@@ -249,6 +249,15 @@ DMI_CLONES void values_row_any(const bf16* p, const bf16* v, bf16* o, std::int64
 DMI_CLONES void scores_row_cloned(const float* q, const float* k, const bool* m, float* o, std::int64_t L, std::int64_t D, float s) { scores_row(q, k, m, o, L, D, s); }
 DMI_CLONES void scores_row_cloned(const bf16* q, const bf16* k, const bool* m, bf16* o, std::int64_t L, std::int64_t D, float s) { scores_row(q, k, m, o, L, D, s); }
 
+// $DMI_ATTENTION: "portable" keeps bf16 attention off vdpbf16ps (true);
+// unset or empty: the default (false); anything else throws.
+bool portable_attention_requested() {
+  const char* env = std::getenv("DMI_ATTENTION");
+  if (!env || !*env) return false;
+  DMI_CHECK(std::string(env) == "portable", "DMI_ATTENTION={}: the one value is 'portable' (unset: the default)", env);
+  return true;
+}
+
 // The instruction set whose attention kernels run (attention_avx512bf16.cpp,
 // attention_avx512.cpp, attention_avx2.cpp): the CPU's, or less where
 // $DMI_KERNELS, read once per process, asks for less (avx512, avx2, avx, sse2
@@ -257,13 +266,6 @@ DMI_CLONES void scores_row_cloned(const bf16* q, const bf16* k, const bool* m, b
 // (dp_attention below). An invalid value is
 // reported where the projections are built, never from here (this may run
 // in a parallel region).
-bool portable_attention_requested() {
-  const char* env = std::getenv("DMI_ATTENTION");
-  if (!env || !*env) return false;
-  DMI_CHECK(std::string(env) == "portable", "DMI_ATTENTION={}: the one value is 'portable' (unset: the default)", env);
-  return true;
-}
-
 Isa attention_isa() {
   static const Isa isa = [] {
     Isa chosen = detect_isa();

@@ -463,8 +463,24 @@ float ref_round(float v, at::ScalarType dtype) {
   return dtype == at::kBFloat16 ? static_cast<float>(c10::BFloat16(v)) : v;
 }
 
+// vdpbf16ps on one lane as Intel's pseudocode gives it: the odd product, then
+// the even one, each a fused multiply-add with round to nearest even, inputs
+// and results below FLT_MIN taken as zero (checked against a Zen 5 EPYC's
+// instruction on 3.2 M random operands, denormals among them; the other
+// orders tried, even first or the two products summed first, differed).
+float flush(float v) { return std::fpclassify(v) == FP_SUBNORMAL ? std::copysign(0.0f, v) : v; }
+float ref_dpbf16(float acc, float a0, float a1, float b0, float b1) {
+  acc = flush(std::fma(flush(a1), flush(b1), flush(acc)));
+  return flush(std::fma(flush(a0), flush(b0), acc));
+}
+
+// dp: the AVX512-BF16 arithmetic instead (bf16 only): lane l of a score takes
+// the element pairs (32 i + 2 l, + 1) for i in order by vdpbf16ps, then the
+// same tree and roundings; a value output takes the key pairs (c, c + 1), c
+// even, in order, a key of weight 0 (or past L) as +0 * +0, a pair of two
+// such keys skipped.
 at::Tensor ref_scores(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, const at::Tensor& masked,
-                      float scale) {
+                      float scale, bool dp = false) {
   const auto dtype = q.scalar_type();
   const std::int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3), G = H / keys.size(1);
   at::Tensor qf = q.to(at::kFloat).contiguous(), kf = keys.to(at::kFloat).contiguous();
@@ -481,7 +497,13 @@ at::Tensor ref_scores(const at::Tensor& q, const at::Tensor& keys, std::int64_t 
             continue;
           }
           float lane[16] = {};
-          for (std::int64_t d = 0; d < D; ++d) lane[d % 16] += qa[b][t][h][d] * ka[b][h / G][c][d];
+          if (dp) {
+            for (std::int64_t d = 0; d < D; d += 2)
+              lane[d / 2 % 16] = ref_dpbf16(lane[d / 2 % 16], qa[b][t][h][d], qa[b][t][h][d + 1], ka[b][h / G][c][d],
+                                            ka[b][h / G][c][d + 1]);
+          } else {
+            for (std::int64_t d = 0; d < D; ++d) lane[d % 16] += qa[b][t][h][d] * ka[b][h / G][c][d];
+          }
           for (int w = 8; w >= 1; w /= 2)
             for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
           oa[b][h][t][c] = ref_round(ref_round(lane[0], dtype) * scale, dtype);
@@ -489,7 +511,7 @@ at::Tensor ref_scores(const at::Tensor& q, const at::Tensor& keys, std::int64_t 
   return out.to(dtype);
 }
 
-at::Tensor ref_values(const at::Tensor& probs, const at::Tensor& values, std::int64_t L) {
+at::Tensor ref_values(const at::Tensor& probs, const at::Tensor& values, std::int64_t L, bool dp = false) {
   const auto dtype = probs.scalar_type();
   const std::int64_t B = probs.size(0), H = probs.size(1), T = probs.size(2), D = values.size(3);
   const std::int64_t G = H / values.size(1);
@@ -502,71 +524,9 @@ at::Tensor ref_values(const at::Tensor& probs, const at::Tensor& values, std::in
       for (std::int64_t t = 0; t < T; ++t)
         for (std::int64_t d = 0; d < D; ++d) {
           float acc = 0.0f;
-          for (std::int64_t c = 0; c < L; ++c)
+          for (std::int64_t c = 0; c < L && !dp; ++c)
             if (pa[b][h][t][c] != 0.0f) acc += pa[b][h][t][c] * va[b][h / G][c][d];
-          oa[b][t][h][d] = acc;
-        }
-  return out.to(dtype);
-}
-
-// vdpbf16ps on one lane as Intel's pseudocode gives it: the odd product, then
-// the even one, each a fused multiply-add with round to nearest even, inputs
-// and results below FLT_MIN taken as zero (checked against a Zen 5 EPYC's
-// instruction on 3.2 M random operands, denormals among them; the other
-// orders tried, even first or the two products summed first, differed).
-float flush(float v) { return std::fpclassify(v) == FP_SUBNORMAL ? std::copysign(0.0f, v) : v; }
-float ref_dpbf16(float acc, float a0, float a1, float b0, float b1) {
-  acc = flush(std::fma(flush(a1), flush(b1), flush(acc)));
-  return flush(std::fma(flush(a0), flush(b0), acc));
-}
-
-// The AVX512-BF16 attention arithmetic (bf16 only), written out: lane l of a
-// score takes the element pairs (32 i + 2 l, + 1) for i in order, then the
-// same tree and roundings; a value output takes the key pairs (c, c + 1), c
-// even, in order, a key of weight 0 (or past L) as +0 * +0, a pair of two
-// such keys skipped.
-at::Tensor ref_scores_dp(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, const at::Tensor& masked,
-                         float scale) {
-  const std::int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3), G = H / keys.size(1);
-  at::Tensor qf = q.to(at::kFloat).contiguous(), kf = keys.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({B, H, T, L}, at::kFloat);
-  auto qa = qf.accessor<float, 4>(), ka = kf.accessor<float, 4>();
-  auto ma = masked.accessor<bool, 4>();
-  auto oa = out.accessor<float, 4>();
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t t = 0; t < T; ++t)
-        for (std::int64_t c = 0; c < L; ++c) {
-          if (ma[b][0][t][c]) {
-            oa[b][h][t][c] = -std::numeric_limits<float>::infinity();
-            continue;
-          }
-          float lane[16] = {};
-          for (std::int64_t i = 0; i < D; i += 32)
-            for (int l = 0; l < 16; ++l) {
-              const std::int64_t d = i + 2 * l;
-              lane[l] = ref_dpbf16(lane[l], qa[b][t][h][d], qa[b][t][h][d + 1], ka[b][h / G][c][d], ka[b][h / G][c][d + 1]);
-            }
-          for (int w = 8; w >= 1; w /= 2)
-            for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
-          oa[b][h][t][c] = ref_round(ref_round(lane[0], at::kBFloat16) * scale, at::kBFloat16);
-        }
-  return out.to(at::kBFloat16);
-}
-
-at::Tensor ref_values_dp(const at::Tensor& probs, const at::Tensor& values, std::int64_t L) {
-  const std::int64_t B = probs.size(0), H = probs.size(1), T = probs.size(2), D = values.size(3);
-  const std::int64_t G = H / values.size(1);
-  at::Tensor pf = probs.to(at::kFloat).contiguous(), vf = values.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({B, T, H, D}, at::kFloat);
-  auto pa = pf.accessor<float, 4>(), va = vf.accessor<float, 4>();
-  auto oa = out.accessor<float, 4>();
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t t = 0; t < T; ++t)
-        for (std::int64_t d = 0; d < D; ++d) {
-          float acc = 0.0f;
-          for (std::int64_t c = 0; c < L; c += 2) {
+          for (std::int64_t c = 0; c < L && dp; c += 2) {
             const bool live0 = pa[b][h][t][c] != 0.0f, live1 = c + 1 < L && pa[b][h][t][c + 1] != 0.0f;
             if (!live0 && !live1) continue;
             acc = ref_dpbf16(acc, live0 ? pa[b][h][t][c] : 0.0f, live1 ? pa[b][h][t][c + 1] : 0.0f,
@@ -574,7 +534,7 @@ at::Tensor ref_values_dp(const at::Tensor& probs, const at::Tensor& values, std:
           }
           oa[b][t][h][d] = acc;
         }
-  return out.to(at::kBFloat16);
+  return out.to(dtype);
 }
 
 }  // namespace
@@ -632,10 +592,10 @@ TEST_CASE("ops: prefill attention (blocks of rows, fused or not) has the written
       masked.select(0, 0).select(1, cs.T / 2).fill_(true);  // a row with no key (a padding position's): zeros
       const float scale = 1.0f / std::sqrt(static_cast<float>(cs.D));
       at::Tensor s = dmi::kernels::attention_scores(q, keys, L, masked, scale);
-      CHECK(at::equal(s, dp ? ref_scores_dp(q, keys, L, masked, scale) : ref_scores(q, keys, L, masked, scale)));
+      CHECK(at::equal(s, ref_scores(q, keys, L, masked, scale, dp)));
       at::Tensor p = dmi::kernels::softmax(s);
       at::Tensor z = dmi::kernels::attention_values(p, values, L);
-      CHECK(at::equal(z, dp ? ref_values_dp(p, values, L) : ref_values(p, values, L)));
+      CHECK(at::equal(z, ref_values(p, values, L, dp)));
       // The last position alone (a decode step): the same bits as its prefill row.
       const std::int64_t t = cs.T - 1;
       at::Tensor s1 = dmi::kernels::attention_scores(q.narrow(1, t, 1), keys, L, masked.narrow(2, t, 1), scale);

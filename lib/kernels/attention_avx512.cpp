@@ -92,29 +92,14 @@ inline const float* rows_f32(const uint16_t* kb, int64_t c0, int64_t n, int64_t 
 }
 
 // Scores of rows [r0, r0 + ROWS) against the first n (<= 16) of 16 keys (K:
-// fp32, or bf16 widened here in a register; D apart), in register tiles of
-// ROWS rows x KEYS keys, 16 accumulators: each 16-lane chunk of a q row (qw:
-// fp32, D apart) or of a key is loaded once per tile and used KEYS or ROWS
-// times. masked[r] bit j: key c0 + j is masked for row r. A tile whose every
-// score is masked writes -inf and computes nothing. reduce16x16 sums each
-// accumulator in the portable tree's order, whichever 16 it is given: the
-// row functions' bits. Returns the keys done, a multiple of KEYS.
+// fp32, or bf16 widened here in a register; D apart) in scores_tiles' tiles:
+// each 16-lane chunk of a q row (qw: fp32, D apart) or of a key is loaded
+// once per tile and used KEYS or ROWS times.
 template <int ROWS, class K, class E>
 inline int scores_group(const float* qw, int r0, const __mmask16* masked, const K* keys, int n, int64_t chunks,
                         int64_t D, float scale, E* const* o, int64_t c0) {
   constexpr int KEYS = 16 / ROWS;
-  // reduce16x16 leaves vector 4i + k in lane 4k + i: this puts vector s in lane s.
-  const __m512i unslot = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  int k0 = 0;
-  for (; k0 + KEYS <= n; k0 += KEYS) {
-    uint32_t m = 0;  // bit r * KEYS + j: key c0 + k0 + j of row r0 + r
-    for (int r = 0; r < ROWS; ++r) m |= ((static_cast<uint32_t>(masked[r0 + r]) >> k0) & ((1u << KEYS) - 1)) << (r * KEYS);
-    if (m == 0xffff) {
-      for (int r = 0; r < ROWS; ++r) fill_neg_inf(o[r0 + r] + c0 + k0, KEYS);
-      continue;
-    }
-    __m512 acc[16];
-    for (int s = 0; s < 16; ++s) acc[s] = _mm512_setzero_ps();
+  return scores_tiles<ROWS>(r0, masked, n, scale, o, c0, [&](int k0, __m512* acc) {
     for (int64_t i = 0; i < chunks; ++i) {
       __m512 qv[ROWS];
       for (int r = 0; r < ROWS; ++r) qv[r] = _mm512_loadu_ps(qw + (r0 + r) * D + 16 * i);
@@ -123,11 +108,7 @@ inline int scores_group(const float* qw, int r0, const __mmask16* masked, const 
         for (int r = 0; r < ROWS; ++r) acc[r * KEYS + j] = _mm512_add_ps(acc[r * KEYS + j], _mm512_mul_ps(qv[r], kv));
       }
     }
-    alignas(64) E lanes[16];
-    store_scores(lanes, _mm512_permutexvar_ps(unslot, reduce16x16(acc)), scale, static_cast<__mmask16>(m));
-    for (int r = 0; r < ROWS; ++r) memcpy(o[r0 + r] + c0 + k0, lanes + r * KEYS, KEYS * sizeof(E));
-  }
-  return k0;
+  });
 }
 
 // Blocks of rows that read the same keys, 16 keys at a time. Decode-sized
@@ -415,29 +396,6 @@ inline void dot_lanes(const float* qw, const float* kt, int64_t D, __m512* s4) {
   for (int r = 0; r < ROWS; ++r) s4[r] = _mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(a2[r], a3[r]));
 }
 
-// The 16 scores of rows [r0, r0 + ROWS) against the transposed keys: s2 =
-// s4[0] + s4[2] and s4[1] + s4[3], then their sum (reduce16's tree), rounded
-// and scaled as scores_row_avx512 does, -inf where masked; n keys stored.
-template <int ROWS, class E>
-inline void scores_tile(const float* qw, const float* kt, const __mmask16* masked, int64_t D, float scale,
-                        E* const* o, int64_t c0, int n) {
-  __m512 s0[ROWS], s1[ROWS], s2[ROWS], s3[ROWS];
-  dot_lanes<ROWS, 0>(qw, kt, D, s0);
-  dot_lanes<ROWS, 2>(qw, kt, D, s2);
-  dot_lanes<ROWS, 1>(qw, kt, D, s1);
-  dot_lanes<ROWS, 3>(qw, kt, D, s3);
-  for (int r = 0; r < ROWS; ++r) {
-    const __m512 dots = _mm512_add_ps(_mm512_add_ps(s0[r], s2[r]), _mm512_add_ps(s1[r], s3[r]));
-    if (n == 16) {
-      store_scores(o[r] + c0, dots, scale, masked[r]);
-    } else {
-      alignas(64) E lanes[16];
-      store_scores(lanes, dots, scale, masked[r]);
-      memcpy(o[r] + c0, lanes, static_cast<size_t>(n) * sizeof(E));
-    }
-  }
-}
-
 // Scores of `rows` rows against keys [0, ends[r]) (the end of row r's group,
 // the same for each of its rows; the 16-key chunk that holds the last one is
 // written whole, nothing past it): 16 keys at a time, transposed once, then
@@ -450,7 +408,9 @@ void scores_many_t(const E* const* q, const bool* const* m, E* const* o, int row
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(qw + r * D + d, load_f32(q[r] + d));
   for_score_chunks_many(m, o, rows, ends, L, [&](auto g, int r0, int64_t c0, int n, const __mmask16* masked, bool first) {
     if (first) transpose_keys(kb, c0, n, D, kt);
-    scores_tile<decltype(g)::value>(qw + r0 * D, kt, masked, D, scale, o + r0, c0, n);
+    constexpr int ROWS = decltype(g)::value;
+    scores_tile<ROWS>([&](auto p, __m512* s4) { dot_lanes<ROWS, decltype(p)::value>(qw + r0 * D, kt, D, s4); },
+                      masked, scale, o + r0, c0, n);
   });
 }
 

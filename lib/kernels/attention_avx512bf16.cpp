@@ -54,26 +54,13 @@ void scores_row(const uint16_t* q, const uint16_t* kb, const bool* m, uint16_t* 
 }
 
 // Scores of rows [r0, r0 + ROWS) against the first n (<= 16) of 16 keys (D
-// apart) in register tiles of ROWS rows x KEYS keys, 16 accumulators, each
-// summed in reduce16's order by reduce16x16 (attention_avx512.cpp's
-// scores_group, with vdpbf16ps on the bf16 rows as they lie). A tile whose
-// every score is masked writes -inf. Returns the keys done, a multiple of
-// KEYS.
+// apart) in scores_tiles' tiles (attention_avx512.cpp's scores_group, with
+// vdpbf16ps on the bf16 rows as they lie).
 template <int ROWS>
 inline int scores_group(const uint16_t* const* q, int r0, const __mmask16* masked, const uint16_t* keys, int n,
                         int64_t D, float scale, uint16_t* const* o, int64_t c0) {
   constexpr int KEYS = 16 / ROWS;
-  const __m512i unslot = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  int k0 = 0;
-  for (; k0 + KEYS <= n; k0 += KEYS) {
-    uint32_t m = 0;  // bit r * KEYS + j: key c0 + k0 + j of row r0 + r
-    for (int r = 0; r < ROWS; ++r) m |= ((static_cast<uint32_t>(masked[r0 + r]) >> k0) & ((1u << KEYS) - 1)) << (r * KEYS);
-    if (m == 0xffff) {
-      for (int r = 0; r < ROWS; ++r) fill_neg_inf(o[r0 + r] + c0 + k0, KEYS);
-      continue;
-    }
-    __m512 acc[16];
-    for (int s = 0; s < 16; ++s) acc[s] = _mm512_setzero_ps();
+  return scores_tiles<ROWS>(r0, masked, n, scale, o, c0, [&](int k0, __m512* acc) {
     for (int64_t i = 0; i < D; i += 32) {
       __m512i qv[ROWS];
       for (int r = 0; r < ROWS; ++r) qv[r] = load_pairs(q[r0 + r] + i);
@@ -82,11 +69,7 @@ inline int scores_group(const uint16_t* const* q, int r0, const __mmask16* maske
         for (int r = 0; r < ROWS; ++r) acc[r * KEYS + j] = dp(acc[r * KEYS + j], qv[r], kv);
       }
     }
-    alignas(64) uint16_t lanes[16];
-    store_scores(lanes, _mm512_permutexvar_ps(unslot, reduce16x16(acc)), scale, static_cast<__mmask16>(m));
-    for (int r = 0; r < ROWS; ++r) memcpy(o[r0 + r] + c0 + k0, lanes + r * KEYS, KEYS * sizeof(uint16_t));
-  }
-  return k0;
+  });
 }
 
 void scores_block(const uint16_t* const* q, const bool* const* m, uint16_t* const* o, int rows, const uint16_t* kb,
@@ -136,29 +119,6 @@ inline void dot_lanes(const uint16_t* const* q, const float* kt, int64_t D, __m5
   for (int r = 0; r < ROWS; ++r) s4[r] = _mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(a2[r], a3[r]));
 }
 
-// The 16 scores of ROWS rows against the transposed keys: (s4[0] + s4[2]) +
-// (s4[1] + s4[3]), reduce16's tree; rounded, scaled, -inf where masked; n
-// keys stored.
-template <int ROWS>
-inline void scores_tile(const uint16_t* const* q, const float* kt, const __mmask16* masked, int64_t D, float scale,
-                        uint16_t* const* o, int64_t c0, int n) {
-  __m512 s0[ROWS], s1[ROWS], s2[ROWS], s3[ROWS];
-  dot_lanes<ROWS, 0>(q, kt, D, s0);
-  dot_lanes<ROWS, 2>(q, kt, D, s2);
-  dot_lanes<ROWS, 1>(q, kt, D, s1);
-  dot_lanes<ROWS, 3>(q, kt, D, s3);
-  for (int r = 0; r < ROWS; ++r) {
-    const __m512 dots = _mm512_add_ps(_mm512_add_ps(s0[r], s2[r]), _mm512_add_ps(s1[r], s3[r]));
-    if (n == 16) {
-      store_scores(o[r] + c0, dots, scale, masked[r]);
-    } else {
-      alignas(64) uint16_t lanes[16];
-      store_scores(lanes, dots, scale, masked[r]);
-      memcpy(o[r] + c0, lanes, static_cast<size_t>(n) * sizeof(uint16_t));
-    }
-  }
-}
-
 // Scores of `rows` rows against keys [0, ends[r]) (attention_avx512.cpp's
 // scores_many_t): 16 keys at a time, transposed once, then tiles of 4 rows
 // (2 and 1 for the rest).
@@ -166,7 +126,9 @@ void scores_many(const uint16_t* const* q, const bool* const* m, uint16_t* const
                  const uint16_t* kb, int64_t L, int64_t D, float scale, float* kt) {
   for_score_chunks_many(m, o, rows, ends, L, [&](auto g, int r0, int64_t c0, int n, const __mmask16* masked, bool first) {
     if (first) transpose_pairs(kb, c0, n, D, kt);
-    scores_tile<decltype(g)::value>(q + r0, kt, masked, D, scale, o + r0, c0, n);
+    constexpr int ROWS = decltype(g)::value;
+    scores_tile<ROWS>([&](auto p, __m512* s4) { dot_lanes<ROWS, decltype(p)::value>(q + r0, kt, D, s4); }, masked,
+                      scale, o + r0, c0, n);
   });
 }
 

@@ -279,23 +279,26 @@ Isa attention_isa() {
 }
 bool has_avx512() { return static_cast<int>(attention_isa()) >= static_cast<int>(Isa::avx512); }
 // bf16 attention on vdpbf16ps (attention_avx512bf16.cpp), where the blocked
-// kernels run: with AVX512-BF16 and head_dim a multiple of 32. Its bits are
-// its own (as the projections' on that instruction set); every bf16
-// attention op of a model takes the same choice, so decode and prefill,
+// kernels run: with AVX512-BF16 and head_dim a multiple of 32, unless
+// $DMI_ATTENTION=portable (read once per process; an invalid value is
+// reported by attention_arithmetic(), at the model's load, never from here).
+// Its bits are its own (as the projections' on that instruction set); every
+// bf16 attention op of a model takes the same choice, so decode and prefill,
 // fused and separate, keep agreeing.
-// $DMI_ATTENTION=portable keeps it off (read once per process; an invalid
-// value is reported by attention_arithmetic(), at the model's load, never
-// from here).
+bool vdpbf16ps_attention() {
+  static const bool on = [] {
+    bool portable = false;
+    try {
+      portable = portable_attention_requested();
+    } catch (const Error&) {
+    }
+    return !portable && attention_isa() == Isa::avx512_bf16;
+  }();
+  return on;
+}
 template <class E>
 bool dp_attention(std::int64_t D) {
-  static const bool portable = [] {
-    try {
-      return portable_attention_requested();
-    } catch (const Error&) {
-      return false;
-    }
-  }();
-  return std::is_same_v<E, bf16> && !portable && attention_isa() == Isa::avx512_bf16 && D % 32 == 0;
+  return std::is_same_v<E, bf16> && vdpbf16ps_attention() && D % 32 == 0;
 }
 bool has_avx2() { return static_cast<int>(attention_isa()) >= static_cast<int>(Isa::avx2); }
 
@@ -470,6 +473,7 @@ void scores_impl(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, co
   const E* kp = reinterpret_cast<const E*>(keys.data_ptr());
   const bool* mp = masked.data_ptr<bool>();
   E* op = reinterpret_cast<E*>(out.data_ptr());
+  const bool dp = dp_attention<E>(D);
   const bool blocked = for_head_blocks(
       B, T, H, KV, D, L, detail::kBlockRows, block_scratch_floats(D),
       [&](std::int64_t b, std::int64_t kv, int rows, const std::int64_t* rh, const std::int64_t* rt, float* scratch) {
@@ -483,7 +487,7 @@ void scores_impl(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, co
         }
         const E* kb = kp + (b * KV + kv) * cap * D;
         if constexpr (std::is_same_v<E, bf16>)
-          if (dp_attention<E>(D)) return detail::scores_block_avx512bf16(qr, mr, orow, rows, kb, L, D, scale);
+          if (dp) return detail::scores_block_avx512bf16(qr, mr, orow, rows, kb, L, D, scale);
         if (has_avx512()) detail::scores_block_avx512(qr, mr, orow, rows, kb, L, D, scale, scratch);
         else detail::scores_block_avx2(qr, mr, orow, rows, kb, L, D, scale, scratch);
       });
@@ -505,6 +509,7 @@ void values_impl(const at::Tensor& probs, const at::Tensor& values, std::int64_t
   const E* pp = reinterpret_cast<const E*>(probs.data_ptr());
   const E* vp = reinterpret_cast<const E*>(values.data_ptr());
   E* op = reinterpret_cast<E*>(out.data_ptr());
+  const bool dp = dp_attention<E>(D);
   const bool blocked = for_head_blocks(
       B, T, H, KV, D, L, detail::kBlockRows, block_scratch_floats(D),
       [&](std::int64_t b, std::int64_t kv, int rows, const std::int64_t* rh, const std::int64_t* rt, float* scratch) {
@@ -516,7 +521,7 @@ void values_impl(const at::Tensor& probs, const at::Tensor& values, std::int64_t
         }
         const E* vb = vp + (b * KV + kv) * cap * D;
         if constexpr (std::is_same_v<E, bf16>)
-          if (dp_attention<E>(D)) return detail::values_block_avx512bf16(pr, orow, rows, vb, L, D, scratch);
+          if (dp) return detail::values_block_avx512bf16(pr, orow, rows, vb, L, D, scratch);
         if (has_avx512()) detail::values_block_avx512(pr, orow, rows, vb, L, D, scratch);
         else detail::values_block_avx2(pr, orow, rows, vb, L, D, scratch);
       });
@@ -551,6 +556,7 @@ bool fused_impl(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& v
   const bool* mp = masked.data_ptr<bool>();
   E* op = reinterpret_cast<E*>(out.data_ptr());
   const bool many = has_avx512() && T * G > detail::kBlockRows;
+  const bool dp = dp_attention<E>(D);
   const int max_rows = many ? detail::kManyRows : detail::kBlockRows;
   const std::int64_t scratch = many ? detail::many_scratch_floats(D, L) : block_scratch_floats(D);
   return for_head_blocks(
@@ -569,7 +575,6 @@ bool fused_impl(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& v
         }
         const E* kb = kp + (b * KV + kv) * cap * D;
         const E* vb = vp + (b * KV + kv) * cap * D;
-        const bool dp = dp_attention<E>(D);
         if (many) {
           if constexpr (std::is_same_v<E, bf16>)
             if (dp) return detail::attention_many_avx512bf16(qr, mr, orow, rows, kb, vb, L, D, scale, buf, sp.data());
@@ -768,8 +773,8 @@ at::Tensor softmax(const at::Tensor& scores) {
 }
 
 std::string attention_arithmetic() {
-  const bool portable = portable_attention_requested();  // throws on an invalid value
-  return !portable && attention_isa() == Isa::avx512_bf16 ? "vdpbf16ps" : "portable";
+  portable_attention_requested();  // throws on an invalid value
+  return vdpbf16ps_attention() ? "vdpbf16ps" : "portable";
 }
 
 bool bf16_attention_on_vdpbf16ps(std::int64_t head_dim) {

@@ -195,14 +195,17 @@ std::string selecting_variable(const std::string& key, const std::string& record
 
 // Differences in what decides the numbers besides model and settings.
 // A capture made before dmi recorded dmi_attention had the portable
-// attention (vdpbf16ps attention came with it, 2026-12-07).
-std::vector<std::string> environment_differences(json recorded, const json& now) {
+// attention (vdpbf16ps attention came with it, 2026-12-07); dmi_attention
+// names bf16 attention's arithmetic, which decides nothing for a model
+// whose attention never runs on vdpbf16ps (attention_applies false: fp32,
+// other head shapes, TorchScript).
+std::vector<std::string> environment_differences(json recorded, const json& now, bool attention_applies) {
   std::vector<std::string> out;
   if (!recorded.is_object()) return out;
   if (recorded.contains("dmi_kernels") && !recorded.contains("dmi_attention")) recorded["dmi_attention"] = "portable";
   for (const std::string key : {"libtorch_version", "cpu_flags", "dmi_kernels", "dmi_attention", "aten_cpu_capability",
                                 "onednn_isa", "openblas_core"})
-    if (recorded.contains(key) && recorded[key] != now[key]) {
+    if (recorded.contains(key) && recorded[key] != now[key] && (key != "dmi_attention" || attention_applies)) {
       std::string d = fmt::format("{}: recorded {}, now {}", key, recorded[key].dump(), now[key].dump());
       if (recorded[key].is_string())
         if (const std::string v = selecting_variable(key, recorded[key].get<std::string>()); !v.empty())
@@ -419,7 +422,7 @@ ReplayResult replay(const ReplayOptions& o, const std::atomic<bool>* stop, Progr
               s.model_path, o.source, fmt::join(r.fingerprint_differences, "; "));
   }
   const json env_now = json::parse(environment_json(s.threads));
-  for (const auto& d : environment_differences(src.environment, env_now))
+  for (const auto& d : environment_differences(src.environment, env_now, m.model->attention_arithmetic_applies()))
     r.warnings.push_back("environment differs (" + d + "): bit identity is not guaranteed");
   if (src.settings.threads > 0 && s.threads != src.settings.threads)
     r.warnings.push_back(fmt::format("{} threads instead of the recorded {}: bit identity is not guaranteed", s.threads,

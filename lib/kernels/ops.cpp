@@ -777,6 +777,11 @@ std::string attention_arithmetic() {
   return vdpbf16ps_attention() ? "vdpbf16ps" : "portable";
 }
 
+bool vdpbf16ps_attention_shape(std::int64_t head_dim, std::int64_t heads_per_kv) {
+  return head_dim > 0 && head_dim % 32 == 0 && head_dim <= detail::kBlockMaxD && heads_per_kv >= 1 &&
+         heads_per_kv <= detail::kBlockRows;
+}
+
 bool bf16_attention_on_vdpbf16ps(std::int64_t head_dim) {
   return dp_attention<bf16>(head_dim) && head_dim <= detail::kBlockMaxD;
 }

@@ -76,6 +76,12 @@ at::Tensor attention_values(const at::Tensor& probs, const at::Tensor& values, s
 // $DMI_ATTENTION=portable keeps the order above (dmi's attention before
 // 2026-12-07), e.g. to replay a capture made with it.
 bool bf16_attention_on_vdpbf16ps(std::int64_t head_dim);
+// Whether bf16 attention with these heads is of a shape that runs on
+// vdpbf16ps where the CPU and $DMI_ATTENTION allow it (head_dim a multiple
+// of 32, at most 512; at most 16 query heads per KV head), whatever this CPU
+// has: the attention whose bits dmi_attention decides. Other shapes (and
+// fp32, fp16) compute the portable attention everywhere.
+bool vdpbf16ps_attention_shape(std::int64_t head_dim, std::int64_t heads_per_kv);
 // "vdpbf16ps" where bf16 attention runs on it (head_dim permitting), else
 // "portable": recorded in each capture's environment (dmi_attention).
 // Throws dmi::Error when $DMI_ATTENTION is set to anything but "portable".

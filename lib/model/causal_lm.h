@@ -79,6 +79,11 @@ class CausalLM {
   virtual hooks::SiteSpace site_space() const {
     return {static_cast<int>(config().num_layers), config().qk_norm, {}};
   }
+  // Whether environment.dmi_attention decides this model's bits: dmi's
+  // attention kernels run its forward pass, in bf16, with heads of a shape
+  // that runs on vdpbf16ps where the CPU has it (kernels/ops.h). False for
+  // fp32 and fp16 models, other head shapes and TorchScript graphs.
+  virtual bool attention_arithmetic_applies() const { return false; }
   // Whether HookPoints may replace tensors (--steer, --ablate, --patch).
   virtual bool supports_interventions() const { return true; }
   // Content hashes of the weight files (or the TorchScript archive), when

@@ -68,6 +68,11 @@ LlamaFamily::LlamaFamily(io::ModelConfig cfg, const io::WeightStore& w, at::Scal
   inv_freq_ = rope_inv_freq(cfg_.rope, D);
 }
 
+bool LlamaFamily::attention_arithmetic_applies() const {
+  return dtype_ == at::kBFloat16 && cfg_.num_kv_heads > 0 &&
+         kernels::vdpbf16ps_attention_shape(cfg_.head_dim, cfg_.num_heads / cfg_.num_kv_heads);
+}
+
 ForwardWork LlamaFamily::forward_work() const {
   auto macs = [](const kernels::PackedLinear& l) { return l.in_features() * l.out_features(); };
   ForwardWork w;

@@ -20,6 +20,7 @@ class LlamaFamily final : public CausalLM {
   std::string kernels() const override { return kernels::describe(lm_head_.isa(), dtype_); }
   kernels::Isa kernel_isa() const override { return lm_head_.isa(); }
   ForwardWork forward_work() const override;
+  bool attention_arithmetic_applies() const override;
 
  private:
   struct Layer {

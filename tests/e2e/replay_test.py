@@ -386,6 +386,20 @@ elif case == "kernels":
     if any("dmi_attention" in w for w in j["warnings"]) or not (j["verify"]["equal"] and j["verify"]["bitwise"]):
         fail(f"DMI_ATTENTION=portable: warnings {j['warnings']}, verify {j['verify']['equal']} {j['verify']['bitwise']}")
     hints.append(f"portable attention ({here} here): " + (hint[0] if hint else "no warning"))
+    # dmi_attention decides bf16 attention with vdpbf16ps-shaped heads only:
+    # the same model in float32, or a bf16 model with head_dim 16, computes
+    # the same attention either way, and its replay across the switch warns
+    # about nothing (it had, before the model's shape was considered).
+    for label, model, dtype in (("float32 Qwen3", qwen3, "float32"), ("head_dim 16, bf16", MODEL, "bfloat16")):
+        src = os.path.join(tmp, f"src-portable-{dtype}.h5")
+        capture(src, "--hooks", "resid_post", "--dtype", dtype, model=model, env=portable)
+        r = dmi("--replay", src, "--verify", "-o", os.path.join(tmp, f"portable-{dtype}-on-default.h5"), "--json",
+                env=default)
+        j = json.loads(r.stdout)["replay"]
+        if any("dmi_attention" in w for w in j["warnings"]) or not (j["verify"]["equal"] and j["verify"]["bitwise"]):
+            fail(f"{label} across DMI_ATTENTION: warnings {j['warnings']}, "
+                 f"verify {j['verify']['equal']} {j['verify']['bitwise']}")
+    hints.append("float32 and head_dim 16 across the attention switch: no warning, bit for bit")
     r = dmi("--replay", src, "-o", os.path.join(tmp, "bad-attention.h5"), env=dict(default, DMI_ATTENTION="fast"),
             expect_rc=2)
     if "DMI_ATTENTION=fast" not in r.stderr:

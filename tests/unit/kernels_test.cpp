@@ -416,6 +416,25 @@ TEST_CASE("ops: attention_inputs has the bits of rms_norm, rope and write_cache 
   }
 }
 
+TEST_CASE("ops: the head shapes whose bf16 attention dmi_attention decides") {
+  // head_dim a multiple of 32 up to 512 (the blocked kernels' limit), at
+  // most 16 query heads per KV head (one block's rows); whatever this CPU has.
+  CHECK(dmi::kernels::vdpbf16ps_attention_shape(32, 1));
+  CHECK(dmi::kernels::vdpbf16ps_attention_shape(128, 2));
+  CHECK(dmi::kernels::vdpbf16ps_attention_shape(512, 16));
+  CHECK_FALSE(dmi::kernels::vdpbf16ps_attention_shape(16, 1));
+  CHECK_FALSE(dmi::kernels::vdpbf16ps_attention_shape(80, 1));
+  CHECK_FALSE(dmi::kernels::vdpbf16ps_attention_shape(544, 1));
+  CHECK_FALSE(dmi::kernels::vdpbf16ps_attention_shape(128, 17));
+  CHECK_FALSE(dmi::kernels::vdpbf16ps_attention_shape(0, 1));
+  // Where this CPU runs it, it runs for exactly those head_dims.
+  const bool here = dmi::kernels::attention_arithmetic() == "vdpbf16ps";
+  for (std::int64_t D : {16, 32, 48, 64, 96, 128, 256, 512, 544}) {
+    CAPTURE(D);
+    CHECK(dmi::kernels::bf16_attention_on_vdpbf16ps(D) == (here && dmi::kernels::vdpbf16ps_attention_shape(D, 1)));
+  }
+}
+
 TEST_CASE("ops: decode attention equals the matmul path and does not depend on the batch") {
   at::manual_seed(7);
   const std::int64_t B = 3, H = 8, KV = 2, G = H / KV, D = 32, cap = 40, L = 29;

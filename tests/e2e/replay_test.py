@@ -391,9 +391,9 @@ elif case == "kernels":
     # the same attention either way, and its replay across the switch warns
     # about nothing (it had, before the model's shape was considered).
     for label, model, dtype in (("float32 Qwen3", qwen3, "float32"), ("head_dim 16, bf16", MODEL, "bfloat16")):
-        src = os.path.join(tmp, f"src-portable-{dtype}.h5")
-        capture(src, "--hooks", "resid_post", "--dtype", dtype, model=model, env=portable)
-        r = dmi("--replay", src, "--verify", "-o", os.path.join(tmp, f"portable-{dtype}-on-default.h5"), "--json",
+        other = os.path.join(tmp, f"src-portable-{dtype}.h5")
+        capture(other, "--hooks", "resid_post", "--dtype", dtype, model=model, env=portable)
+        r = dmi("--replay", other, "--verify", "-o", os.path.join(tmp, f"portable-{dtype}-on-default.h5"), "--json",
                 env=default)
         j = json.loads(r.stdout)["replay"]
         if any("dmi_attention" in w for w in j["warnings"]) or not (j["verify"]["equal"] and j["verify"]["bitwise"]):

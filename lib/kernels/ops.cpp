@@ -783,7 +783,7 @@ bool vdpbf16ps_attention_shape(std::int64_t head_dim, std::int64_t heads_per_kv)
 }
 
 bool bf16_attention_on_vdpbf16ps(std::int64_t head_dim) {
-  return dp_attention<bf16>(head_dim) && head_dim <= detail::kBlockMaxD;
+  return vdpbf16ps_attention() && vdpbf16ps_attention_shape(head_dim, 1);
 }
 
 at::Tensor attention_scores(const at::Tensor& q, const at::Tensor& keys, std::int64_t L, const at::Tensor& masked,

@@ -9,11 +9,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
+from scratch import scratch_dir
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 bench, models = sys.argv[1], sys.argv[2]
-tmp = tempfile.mkdtemp(prefix="dmi-bench-")
+tmp = scratch_dir("dmi-bench-")
 out = os.path.join(tmp, "r.json")
 modes = ["off", "null", "async", "sync", "materialize"]
 r = subprocess.run([bench, "-q", "--model", os.path.join(models, "qwen3-untied-f32"), "--dtype", "float32",

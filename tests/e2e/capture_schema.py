@@ -11,11 +11,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import h5py
 import jsonschema
 import numpy as np
+from scratch import scratch_dir
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 dmi_run, models = sys.argv[1], sys.argv[2]
@@ -57,7 +57,7 @@ def describe(f):
     }
 
 
-tmp = tempfile.mkdtemp()
+tmp = scratch_dir("dmi-schema-")
 # A TorchScript export too (architecture "TorchScript/...", model_path a .pt file).
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import dmi_torchscript  # noqa: E402

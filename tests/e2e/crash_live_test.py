@@ -14,17 +14,17 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import h5py
 import numpy as np
+from scratch import scratch_dir
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 bin_dir, case = sys.argv[1], sys.argv[2]
 DMI_RUN, DMI_INSPECT = os.path.join(bin_dir, "dmi-run"), os.path.join(bin_dir, "dmi-inspect")
 MODEL = os.path.join(ROOT, "data", "default-model")
-tmp = tempfile.mkdtemp(prefix="dmi-crash-")
+tmp = scratch_dir("dmi-crash-")
 SITES = ["blocks.0.hook_resid_pre", "blocks.2.hook_resid_pre", "blocks.3.hook_resid_post", "unembed.hook_out"]
 
 

@@ -12,14 +12,14 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
+from scratch import scratch_dir
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 bin_dir = sys.argv[1]
 MODEL = os.path.join(ROOT, "data", "default-model")
 run, inspect = os.path.join(bin_dir, "dmi-run"), os.path.join(bin_dir, "dmi-inspect")
 
-tmp = tempfile.mkdtemp(prefix="dmi-fuzzreg-")
+tmp = scratch_dir("dmi-fuzzreg-")
 
 
 def model_with(name, path):

@@ -9,10 +9,10 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import h5py
 import numpy as np
+from scratch import scratch_dir
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from capture_util import check_heatmap  # noqa: E402
@@ -20,7 +20,7 @@ from capture_util import check_heatmap  # noqa: E402
 bindir, models, case = sys.argv[1], sys.argv[2], sys.argv[3]
 RUN, INSPECT, DIFF = (os.path.join(bindir, b) for b in ("dmi-run", "dmi-inspect", "dmi-diff"))
 MODEL = os.path.join(models, "qwen3-qknorm-bf16-misaligned")
-tmp = tempfile.mkdtemp(prefix="dmi-insp-")
+tmp = scratch_dir("dmi-insp-")
 PROMPTS = ["LOVE, n.", "WAR", "A man who", "x"]
 
 

@@ -11,16 +11,16 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import h5py
 import numpy as np
+from scratch import scratch_dir
 
 bindir, models, case = sys.argv[1], sys.argv[2], sys.argv[3]
 DMI_RUN = os.path.join(bindir, "dmi-run")
 DMI_INSPECT = os.path.join(bindir, "dmi-inspect")
 MODEL = os.path.join(models, "qwen3-untied-f32")  # byte-level tokenizer: token i is byte i of the prompt
-tmp = tempfile.mkdtemp(prefix="dmi-tracker-")
+tmp = scratch_dir("dmi-tracker-")
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 INST = "Define the word."
 BENIGN = [INST + " DATA: love is blind", INST + " DATA: a cat", INST + " DATA: the sea at night",

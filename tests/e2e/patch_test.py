@@ -11,11 +11,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import h5py
 import numpy as np
 import torch
+from scratch import scratch_dir
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -29,7 +29,7 @@ bindir, models, case = sys.argv[1], sys.argv[2], sys.argv[3]
 DMI_RUN = os.path.join(bindir, "dmi-run")
 DMI_PATCH = os.path.join(bindir, "dmi-patch")
 MODEL = os.path.join(models, "qwen3-untied-f32")
-tmp = tempfile.mkdtemp(prefix="dmi-patch-")
+tmp = scratch_dir("dmi-patch-")
 SITES = {"resid_pre": "hook_resid_pre", "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out", "z": "attn.hook_z",
          "pattern": "attn.hook_pattern"}
 PER_HEAD = ("z", "pattern")

@@ -11,11 +11,11 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import h5py
 import numpy as np
+from scratch import scratch_dir
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -23,7 +23,7 @@ import dmi_capture  # noqa: E402
 
 bin_dir, case = os.path.abspath(sys.argv[1]), sys.argv[2]
 DMI_RUN, DMI_INSPECT = os.path.join(bin_dir, "dmi-run"), os.path.join(bin_dir, "dmi-inspect")
-tmp = tempfile.mkdtemp(prefix="dmi-pyreader-")
+tmp = scratch_dir("dmi-pyreader-")
 
 
 def fail(msg):

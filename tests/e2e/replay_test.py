@@ -10,12 +10,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import h5py
 import numpy as np
 import torch
+from scratch import scratch_dir
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -28,7 +28,7 @@ MODEL = os.path.join(models, model_name)
 # Mixed lengths, batch 3: a full batch with padding and a partial one.
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 11, 64, 128, 1, 33], [9, 8, 7], [200], [60, 61, 62, 63, 64, 65, 66]]
 N_NEW = 6
-tmp = tempfile.mkdtemp(prefix="dmi-replay-")
+tmp = scratch_dir("dmi-replay-")
 
 
 def fail(msg):

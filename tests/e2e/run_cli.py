@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
+from scratch import scratch_dir
 
 dmi_run, models, case = sys.argv[1], sys.argv[2], sys.argv[3]
 
@@ -38,7 +38,7 @@ if case == "json-summary":
     for k in ("prefill_tokens_per_second", "decode_tokens_per_second"):
         check(out["timings"][k] > 0, k)
 elif case == "prompts-file-jsonl":
-    d = tempfile.mkdtemp()
+    d = scratch_dir("dmi-cli-")
     p = os.path.join(d, "p.jsonl")
     open(p, "w").write('{"text": "WAR, n."}\n\n{"ids": [5, 6, 7]}\n')
     out = json.loads(run("--model", os.path.join(models, "llama-gqa-f32"), "--prompts", p, "-n", "3", "--json"))
@@ -76,7 +76,7 @@ elif case == "chat":
     # (tests/data/chat/expected-qwen3.json), tokenized without special tokens.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     default = os.path.join(root, "data", "default-model")
-    d = tempfile.mkdtemp()
+    d = scratch_dir("dmi-cli-")
     m = os.path.join(d, "chat-model")
     os.mkdir(m)
     for f in ("config.json", "model.safetensors", "tokenizer.json"):

@@ -9,11 +9,11 @@ import os
 import struct
 import subprocess
 import sys
-import tempfile
 
 import h5py
 import numpy as np
 import torch
+from scratch import scratch_dir
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -28,7 +28,7 @@ model_name = sys.argv[4] if len(sys.argv) > 4 else "qwen3-untied-f32"
 MODEL = os.path.join(models, model_name)
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 11, 64, 128, 1, 33], [9, 8, 7], [200, 4], [60, 61, 62, 63, 64, 65, 66]]
 N_NEW = 5
-tmp = tempfile.mkdtemp(prefix="dmi-steer-")
+tmp = scratch_dir("dmi-steer-")
 
 
 def fail(msg):

@@ -11,11 +11,11 @@ import re
 import select
 import subprocess
 import sys
-import tempfile
 import time
+from scratch import scratch_dir
 
 bindir, case = sys.argv[1], sys.argv[2]
-tmp = tempfile.mkdtemp(prefix="dmi-terminal-")
+tmp = scratch_dir("dmi-terminal-")
 RUN, PATCH, BENCH = (os.path.join(bindir, t) for t in ("dmi-run", "dmi-patch", "dmi-bench"))
 # A run long enough for several progress lines: 6 sequences one at a time.
 LONG_RUN = ["--hooks", "residual", "-n", "160", "--ignore-eos", "--batch-size", "1",

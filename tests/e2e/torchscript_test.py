@@ -15,11 +15,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import h5py
 import numpy as np
 import torch
+from scratch import scratch_dir
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -30,7 +30,7 @@ dmi_run, models, case = sys.argv[1], sys.argv[2], sys.argv[3]
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 11, 64, 128, 1, 33], [9, 8, 7], [200], [60, 61, 62, 63, 64, 65, 66]]
 N_NEW = 5
 HOOK_MAP = os.path.join(ROOT, "data", "hook-maps", "hf-llama.json")
-tmp = tempfile.mkdtemp(prefix="dmi-ts-")
+tmp = scratch_dir("dmi-ts-")
 
 
 def fail(msg):

@@ -23,8 +23,8 @@ std::string make_file(const std::string& header, std::size_t data_bytes, std::si
 }
 
 std::string error_of(const std::string& bytes) {
-  static const std::string dir = dmi::test::temp_dir("st");
-  const std::string path = dir + "/t.safetensors";
+  static const dmi::test::TempDir dir("st");
+  const std::string path = dir.path() + "/t.safetensors";
   dmi::test::write_file(path, bytes);
   try {
     SafetensorsFile f(path);
@@ -37,7 +37,8 @@ std::string error_of(const std::string& bytes) {
 }  // namespace
 
 TEST_CASE("safetensors: a valid file maps its tensors") {
-  const std::string dir = dmi::test::temp_dir("st-ok");
+  const dmi::test::TempDir tmp("st-ok");
+  const std::string& dir = tmp.path();
   auto bytes = make_file(R"({"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"__metadata__":{"format":"pt"}})", 16);
   float vals[4] = {1, 2, 3, 4};
   std::memcpy(&bytes[bytes.size() - 16], vals, 16);
@@ -58,7 +59,8 @@ TEST_CASE("safetensors: a valid file maps its tensors") {
 }
 
 TEST_CASE("safetensors: misaligned 2-byte data is copied, values intact") {
-  const std::string dir = dmi::test::temp_dir("st-mis");
+  const dmi::test::TempDir tmp("st-mis");
+  const std::string& dir = tmp.path();
   // Header padded so that the data area starts at an odd offset.
   std::string header = R"({"h":{"dtype":"F16","shape":[3],"data_offsets":[0,6]}})";
   if ((8 + header.size()) % 2 == 0) header += " ";

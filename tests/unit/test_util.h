@@ -3,9 +3,12 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 #include <string>
+#include <system_error>
 #include <vector>
 
 namespace dmi::test {
@@ -35,13 +38,28 @@ inline nlohmann::json read_json(const std::string& path) {
   return nlohmann::json::parse(f);
 }
 
-inline std::string temp_dir(const std::string& tag) {
-  std::string tmpl = "/tmp/dmi-test-" + tag + "-XXXXXX";
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  if (!mkdtemp(buf.data())) throw std::runtime_error("mkdtemp failed");
-  return buf.data();
-}
+// A fresh directory under /tmp, removed with everything in it when the
+// object goes (repeated test runs leave nothing behind).
+class TempDir {
+ public:
+  explicit TempDir(const std::string& tag) {
+    std::string tmpl = "/tmp/dmi-test-" + tag + "-XXXXXX";
+    std::vector<char> buf(tmpl.begin(), tmpl.end());
+    buf.push_back('\0');
+    if (!mkdtemp(buf.data())) throw std::runtime_error("mkdtemp failed");
+    path_ = buf.data();
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 inline void write_file(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary);

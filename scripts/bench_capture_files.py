@@ -12,8 +12,10 @@ bytes, read with h5py), their ratio, and the median decode tokens/s and
 sink CPU seconds of the rounds.
 """
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -47,6 +49,7 @@ def main():
     a = ap.parse_args()
     builds = [b.split("=", 1) for b in a.builds]
     tmp = tempfile.mkdtemp(prefix="dmi-files-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # its captures, when it exits
     results = {}
     for r in range(a.rounds):
         order = builds if r % 2 == 0 else builds[::-1]

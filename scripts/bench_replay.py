@@ -13,8 +13,10 @@ and the model fingerprint's cost at load (seconds per GB of weight files).
 Prints a table of medians and the forced / original speed ratio.
 """
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +46,7 @@ def main():
     ap.add_argument("--deep", default="full")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="dmi-bench-replay-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # its captures, when it exits
     src = os.path.join(tmp, "src.h5")
     prompts = sum([["--prompt", (PROMPTS * 100)[i]] for i in range(a.prompts)], [])
     base = ["--model", a.model, "--dtype", a.dtype, "-n", str(a.new), "-b", str(a.batch), "--ignore-eos"]

@@ -13,8 +13,10 @@ whether every recovered row is bit-identical to the complete run's.
 The tmpfs faults need root (mount); they are reported as skipped otherwise.
 """
 import argparse
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +33,7 @@ args = ap.parse_args()
 DMI_RUN, DMI_INSPECT = os.path.join(args.bin, "dmi-run"), os.path.join(args.bin, "dmi-inspect")
 MODEL = os.path.join(ROOT, "data", "default-model")
 tmp = tempfile.mkdtemp(prefix="dmi-faults-")
+atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # its captures, when it exits
 N_NEW = 300
 
 

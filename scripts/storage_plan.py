@@ -9,8 +9,10 @@ Prints a Markdown table. Attention rows (attention, full) are as wide as the
 longest sequence, so their bytes per token grow with prompt + generated length.
 """
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,6 +47,7 @@ def main():
     ap.add_argument("--capture-dtype", default="bfloat16")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="dmi-plan-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # its captures, when it exits
     rows = {}
     for shape, cfg in SHAPES.items():
         d = os.path.join(tmp, shape)

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+
 from scratch import scratch_dir
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

@@ -14,6 +14,7 @@ import time
 import h5py
 import numpy as np
 import torch
+
 from scratch import scratch_dir
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

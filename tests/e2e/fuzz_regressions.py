@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+
 from scratch import scratch_dir
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

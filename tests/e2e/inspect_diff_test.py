@@ -12,6 +12,7 @@ import sys
 
 import h5py
 import numpy as np
+
 from scratch import scratch_dir
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

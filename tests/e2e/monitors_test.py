@@ -14,6 +14,7 @@ import sys
 
 import h5py
 import numpy as np
+
 from scratch import scratch_dir
 
 bindir, models, case = sys.argv[1], sys.argv[2], sys.argv[3]

@@ -15,6 +15,7 @@ import sys
 import h5py
 import numpy as np
 import torch
+
 from scratch import scratch_dir
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

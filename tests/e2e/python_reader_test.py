@@ -15,6 +15,7 @@ import time
 
 import h5py
 import numpy as np
+
 from scratch import scratch_dir
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+
 from scratch import scratch_dir
 
 dmi_run, models, case = sys.argv[1], sys.argv[2], sys.argv[3]

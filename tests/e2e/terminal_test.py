@@ -12,6 +12,7 @@ import select
 import subprocess
 import sys
 import time
+
 from scratch import scratch_dir
 
 bindir, case = sys.argv[1], sys.argv[2]

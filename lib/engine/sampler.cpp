@@ -45,9 +45,9 @@ std::int32_t argmax(const float* x, std::int64_t V) {
 #ifdef __SSE2__
   const __m128 want = _mm_set1_ps(mx);
   for (; b + 16 <= V; b += 16) {
-    const __m128 hit = _mm_or_ps(_mm_or_ps(_mm_cmpeq_ps(_mm_loadu_ps(x + b), want), _mm_cmpeq_ps(_mm_loadu_ps(x + b + 4), want)),
-                                 _mm_or_ps(_mm_cmpeq_ps(_mm_loadu_ps(x + b + 8), want), _mm_cmpeq_ps(_mm_loadu_ps(x + b + 12), want)));
-    if (_mm_movemask_ps(hit)) break;
+    const __m128 h0 = _mm_or_ps(_mm_cmpeq_ps(_mm_loadu_ps(x + b), want), _mm_cmpeq_ps(_mm_loadu_ps(x + b + 4), want));
+    const __m128 h1 = _mm_or_ps(_mm_cmpeq_ps(_mm_loadu_ps(x + b + 8), want), _mm_cmpeq_ps(_mm_loadu_ps(x + b + 12), want));
+    if (_mm_movemask_ps(_mm_or_ps(h0, h1))) break;
   }
 #endif
   for (; b < V; ++b)

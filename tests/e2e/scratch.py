@@ -1,6 +1,6 @@
 """A test's scratch directory: removed when the test's process exits, pass
-or fail, so that repeated ctest runs do not fill /tmp (one full run wrote
-~350 MB of captures there). DMI_KEEP_TEST_FILES=1 keeps it and prints where."""
+or fail, so that repeated ctest runs do not fill /tmp (one full run leaves
+181 MB there without it). DMI_KEEP_TEST_FILES=1 keeps it and prints where."""
 import atexit
 import os
 import shutil
@@ -8,7 +8,7 @@ import sys
 import tempfile
 
 
-def scratch_dir(prefix="dmi-test-"):
+def scratch_dir(prefix):
     d = tempfile.mkdtemp(prefix=prefix)
 
     def remove():

@@ -135,14 +135,17 @@ MathOwner math_owner_for(const std::string& dtype, const std::string& model) {
 void prepare_process_env(int argc, char** argv, MathOwner owner) {
   if (std::getenv("DMI_ENV_READY")) return;
   setenv("DMI_ENV_READY", "1", 1);
-  // Debian's OpenBLAS 0.3.21 does not recognise recent CPUs and falls back to
-  // generic kernels; name the kernel family the CPU supports. A value the
-  // user set wins.
-  if (!std::getenv("OPENBLAS_CORETYPE")) {
-    if (cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl")) setenv("OPENBLAS_CORETYPE", "SkylakeX", 0);
-    else if (cpu_has("avx2")) setenv("OPENBLAS_CORETYPE", "Haswell", 0);
-  }
-  if (owner == MathOwner::openblas) setenv("OMP_WAIT_POLICY", "PASSIVE", 0);
+  // Only a variable that was not set yet is a reason to restart: each
+  // restart loads LibTorch's ~290 libraries again (~0.7 s on a 2-core VM).
+  bool changed = false;
+  auto set = [&](const char* name, const char* value) {
+    if (!value || std::getenv(name)) return;  // a value the user set wins
+    setenv(name, value, 0);
+    changed = true;
+  };
+  set("OPENBLAS_CORETYPE", openblas_coretype_for_cpu());
+  if (owner == MathOwner::openblas) set("OMP_WAIT_POLICY", "PASSIVE");
+  if (!changed) return;
   std::vector<char*> args(argv, argv + argc);
   args.push_back(nullptr);
   ::execv("/proc/self/exe", args.data());

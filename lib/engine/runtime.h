@@ -15,7 +15,11 @@
 // OpenBLAS also gets OPENBLAS_CORETYPE for this CPU (Debian's 0.3.21 does not
 // recognise it and would pick generic kernels). Both libraries read these
 // variables when they load, before main(), so prepare_process_env()
-// re-executes the program once with them set. Variables the user set win.
+// re-executes the program once with them set, if it set any. Variables the
+// user set win, and DMI_ENV_READY (set by that restart, or by the user)
+// prevents it. A restart loads LibTorch's ~290 libraries again (~0.7 s on a
+// 2-core VM, ~1.6 s under ASan): scripts that start dmi-run many times can
+// export OPENBLAS_CORETYPE themselves (the test suite does: tests/CMakeLists.txt).
 #pragma once
 
 #include <string>
@@ -29,10 +33,17 @@ enum class MathOwner { openmp, openblas };
 // where the model loads).
 MathOwner math_owner_for(const std::string& dtype, const std::string& model);
 
-// Call in main() before any tensor work. Unless already done, sets the
-// variables above and re-executes /proc/self/exe with the same argv (returns
-// only when nothing needed changing or re-exec failed).
+// Call in main() before any tensor work. Unless DMI_ENV_READY is set, sets
+// the variables above that are not set yet and, if it set any, re-executes
+// /proc/self/exe with the same argv (returns only when nothing needed
+// changing or re-exec failed).
 void prepare_process_env(int argc, char** argv, MathOwner owner);
+
+// The OPENBLAS_CORETYPE this CPU gets (Debian's OpenBLAS 0.3.21 does not
+// recognise recent CPUs and falls back to generic kernels), or nullptr where
+// OpenBLAS's own choice stays. CPUID only, in a file without LibTorch
+// (engine/openblas_core.cpp): tests/openblas_core_main.cpp prints it.
+const char* openblas_coretype_for_cpu();
 
 // Sets torch's intra-op threads and OpenBLAS's threads to n (n <= 0: the
 // number of online CPUs), and (once) tells glibc to keep freed memory for

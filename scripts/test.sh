@@ -5,7 +5,7 @@
 # clang ASan/UBSan build in build-fuzz/), then the whole CTest suite again
 # under ASan+UBSan (scripts/sanitize.sh: build-asan/).
 #
-#   scripts/test.sh                          all of it (CI; about 50 minutes on 2 cores)
+#   scripts/test.sh                          all of it (CI; 42-82 minutes on 2 cores, 2026-12)
 #   DMI_FUZZ_SECONDS=0 scripts/test.sh       without the fuzzers
 #   DMI_SANITIZE_SUITE=0 scripts/test.sh        without the ASan+UBSan suite
 set -euo pipefail

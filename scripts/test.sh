@@ -5,7 +5,9 @@
 # clang ASan/UBSan build in build-fuzz/), then the whole CTest suite again
 # under ASan+UBSan (scripts/sanitize.sh: build-asan/).
 #
-#   scripts/test.sh                          all of it (CI; 42-82 minutes on 2 cores, 2026-12)
+#   scripts/test.sh                          all of it (CI: 42-82 minutes on 2 cores until
+#                                            2026-12-07, whose skipped restarts took ~11
+#                                            minutes off the two CTest runs)
 #   DMI_FUZZ_SECONDS=0 scripts/test.sh       without the fuzzers
 #   DMI_SANITIZE_SUITE=0 scripts/test.sh        without the ASan+UBSan suite
 set -euo pipefail

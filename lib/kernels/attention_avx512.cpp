@@ -94,16 +94,19 @@ inline const float* rows_f32(const uint16_t* kb, int64_t c0, int64_t n, int64_t 
 // Scores of rows [r0, r0 + ROWS) against the first n (<= 16) of 16 keys (K:
 // fp32, or bf16 widened here in a register; D apart) in scores_tiles' tiles:
 // each 16-lane chunk of a q row (qw: fp32, D apart) or of a key is loaded
-// once per tile and used KEYS or ROWS times.
+// once per tile and used KEYS or ROWS times. Each line of a key read asks
+// for the one `ahead` elements on (prefetch_ahead; 0: none).
 template <int ROWS, class K, class E>
 inline int scores_group(const float* qw, int r0, const __mmask16* masked, const K* keys, int n, int64_t chunks,
-                        int64_t D, float scale, E* const* o, int64_t c0) {
+                        int64_t D, float scale, E* const* o, int64_t c0, int64_t ahead, const K* end) {
   constexpr int KEYS = 16 / ROWS;
+  constexpr int64_t kChunksPerLine = 64 / (16 * sizeof(K));  // 1 (fp32) or 2 (bf16)
   return scores_tiles<ROWS>(r0, masked, n, scale, o, c0, [&](int k0, __m512* acc) {
     for (int64_t i = 0; i < chunks; ++i) {
       __m512 qv[ROWS];
       for (int r = 0; r < ROWS; ++r) qv[r] = _mm512_loadu_ps(qw + (r0 + r) * D + 16 * i);
       for (int j = 0; j < KEYS; ++j) {
+        if (i % kChunksPerLine == 0) prefetch_ahead(keys + (k0 + j) * D + 16 * i, ahead, end);
         const __m512 kv = load_f32(keys + (k0 + j) * D + 16 * i);
         for (int r = 0; r < ROWS; ++r) acc[r * KEYS + j] = _mm512_add_ps(acc[r * KEYS + j], _mm512_mul_ps(qv[r], kv));
       }
@@ -128,16 +131,17 @@ void scores_block_t(const E* const* q, const bool* const* m, E* const* o, int ro
   for (int r = 0; r < rows; ++r)
     for (int64_t i = 0; i < chunks; ++i) _mm512_storeu_ps(qw + r * D + 16 * i, load_f32(q[r] + 16 * i));
   for_score_chunks(m, o, rows, kb, L, D, [&](int64_t c0, int n, const __mmask16* masked) {
-    auto groups = [&](const auto* keys) {
+    auto groups = [&](const auto* keys, int64_t ahead, const auto* end) {
       for_groups(rows, [&](auto g, int r0) {
-        const int done = scores_group<decltype(g)::value>(qw, r0, masked, keys, n, chunks, D, scale, o, c0);
+        const int done =
+            scores_group<decltype(g)::value>(qw, r0, masked, keys, n, chunks, D, scale, o, c0, ahead, end);
         if (done < n)
           for (int r = r0; r < r0 + decltype(g)::value; ++r)
             scores_row_avx512(q[r], kb + (c0 + done) * D, m[r] + c0 + done, o[r] + c0 + done, n - done, D, scale);
       });
     };
-    if (rows <= 4) groups(kb + c0 * D);
-    else groups(rows_f32(kb, c0, n, D, kw));
+    if (rows <= 4) groups(kb + c0 * D, kKvAheadRows * D, kb + L * D);
+    else groups(rows_f32(kb, c0, n, D, kw), 0, kw);
   });
 }
 
@@ -147,18 +151,21 @@ void scores_block_t(const E* const* q, const bool* const* m, E* const* o, int ro
 // a register; D apart); pf: the rows' weights in fp32, [rows][kBlockKeys];
 // live[r] bit j: row r weighs key j (not 0). A row whose weight is 0 is left
 // unchanged (values_row skips it), a key that no row of the group weighs is
-// skipped: the same bits.
+// skipped: the same bits. Each key's lines ask for those `ahead` elements on
+// (prefetch_ahead; 0: none), whether some row weighs the key or not.
 template <int ROWS, int PIECES, class V>
 inline void values_group(float* acc, const float* pf, const uint32_t* live, int r0, const V* v, int64_t n,
-                         int64_t D, int64_t d0) {
+                         int64_t D, int64_t d0, int64_t ahead, const V* end) {
   __m512 a[ROWS][PIECES];
   for (int r = 0; r < ROWS; ++r)
     for (int k = 0; k < PIECES; ++k) a[r][k] = _mm512_loadu_ps(acc + (r0 + r) * D + d0 + 16 * k);
   uint32_t every = ~0u, some = 0;  // bit j: every row, some row of the group weighs key j
   for (int r = 0; r < ROWS; ++r) every &= live[r0 + r], some |= live[r0 + r];
   for (int64_t j = 0; j < n; ++j) {
-    if (!((some >> j) & 1u)) continue;
     const V* vj = v + j * D + d0;
+    if (ahead > 0)
+      for (int64_t e = 0; e < 16 * PIECES; e += 64 / static_cast<int64_t>(sizeof(V))) prefetch_ahead(vj + e, ahead, end);
+    if (!((some >> j) & 1u)) continue;
     __m512 pb[ROWS];
     for (int r = 0; r < ROWS; ++r) pb[r] = _mm512_set1_ps(pf[(r0 + r) * kBlockKeys + j]);
     if ((every >> j) & 1u) {
@@ -185,15 +192,16 @@ inline void values_group(float* acc, const float* pf, const uint32_t* live, int 
 // All D columns of rows [r0, r0 + ROWS): passes of at most 16 accumulators
 // (8 chunks of 16 columns for 1 or 2 rows, 4 for 4 rows), fewer at the end.
 template <int ROWS, class V>
-inline void values_rows(float* acc, const float* pf, const uint32_t* live, int r0, const V* v, int64_t n, int64_t D) {
+inline void values_rows(float* acc, const float* pf, const uint32_t* live, int r0, const V* v, int64_t n, int64_t D,
+                        int64_t ahead, const V* end) {
   constexpr int kMax = ROWS == 4 ? 4 : 8;
   for (int64_t d0 = 0; d0 < D;) {
     const int64_t left = (D - d0) / 16;
-    if (left >= 8 && kMax == 8) values_group<ROWS, kMax>(acc, pf, live, r0, v, n, D, d0), d0 += 16 * kMax;
-    else if (left >= 4) values_group<ROWS, 4>(acc, pf, live, r0, v, n, D, d0), d0 += 16 * 4;
-    else if (left == 3) values_group<ROWS, 3>(acc, pf, live, r0, v, n, D, d0), d0 += 16 * 3;
-    else if (left == 2) values_group<ROWS, 2>(acc, pf, live, r0, v, n, D, d0), d0 += 16 * 2;
-    else values_group<ROWS, 1>(acc, pf, live, r0, v, n, D, d0), d0 += 16;
+    if (left >= 8 && kMax == 8) values_group<ROWS, kMax>(acc, pf, live, r0, v, n, D, d0, ahead, end), d0 += 16 * kMax;
+    else if (left >= 4) values_group<ROWS, 4>(acc, pf, live, r0, v, n, D, d0, ahead, end), d0 += 16 * 4;
+    else if (left == 3) values_group<ROWS, 3>(acc, pf, live, r0, v, n, D, d0, ahead, end), d0 += 16 * 3;
+    else if (left == 2) values_group<ROWS, 2>(acc, pf, live, r0, v, n, D, d0, ahead, end), d0 += 16 * 2;
+    else values_group<ROWS, 1>(acc, pf, live, r0, v, n, D, d0, ahead, end), d0 += 16;
   }
 }
 
@@ -209,22 +217,22 @@ void values_block_t(const E* const* p, E* const* o, int rows, const E* vb, int64
   for (int64_t i = 0; i < rows * D; ++i) acc[i] = 0.0f;
   alignas(64) float pf[kBlockRows * kBlockKeys];
   uint32_t live[kBlockRows];
-  // Decode-sized blocks: each chunk's values asked for a chunk ahead.
-  if (rows <= 4) prefetch_rows(vb, 0, kBlockKeys, L, D);
+  // Decode-sized blocks ask for their first values here, the rest as they
+  // read them (values_group).
+  if (rows <= 4) prefetch_rows(vb, 0, kKvAheadRows, L, D);
   for (int64_t c0 = 0; c0 < L; c0 += kBlockKeys) {
     const int64_t n = L - c0 < kBlockKeys ? L - c0 : kBlockKeys;
-    if (rows <= 4) prefetch_rows(vb, c0 + kBlockKeys, c0 + 2 * kBlockKeys, L, D);
     uint32_t any = 0;
     for (int r = 0; r < rows; ++r) {
       live[r] = chunk_weights(p[r] + c0, n, pf + r * kBlockKeys);
       any |= live[r];
     }
     if (any == 0) continue;  // every row's weights are 0 here (masked): nothing to add
-    auto groups = [&](const auto* v) {
-      for_groups(rows, [&](auto g, int r0) { values_rows<decltype(g)::value>(acc, pf, live, r0, v, n, D); });
+    auto groups = [&](const auto* v, int64_t ahead, const auto* end) {
+      for_groups(rows, [&](auto g, int r0) { values_rows<decltype(g)::value>(acc, pf, live, r0, v, n, D, ahead, end); });
     };
-    if (rows <= 4) groups(vb + c0 * D);
-    else groups(rows_f32(vb, c0, n, D, vw));
+    if (rows <= 4) groups(vb + c0 * D, kKvAheadRows * D, vb + L * D);
+    else groups(rows_f32(vb, c0, n, D, vw), 0, vw);
   }
   for (int r = 0; r < rows; ++r) store_row(o[r], acc + r * D, D);
 }
@@ -438,7 +446,7 @@ void values_many_t(const E* const* p, E* const* o, int rows, const int64_t* ends
       }
       if (any == 0) return;
       if (!v) v = rows_f32(vb, c0, n, D, vw);
-      values_rows<ROWS>(acc + r0 * D, pf, live, 0, v, n, D);
+      values_rows<ROWS>(acc + r0 * D, pf, live, 0, v, n, D, 0, v);
     });
   }
   for (int r = 0; r < rows; ++r) store_row(o[r], acc + r * D, D);

@@ -55,16 +55,18 @@ void scores_row(const uint16_t* q, const uint16_t* kb, const bool* m, uint16_t* 
 
 // Scores of rows [r0, r0 + ROWS) against the first n (<= 16) of 16 keys (D
 // apart) in scores_tiles' tiles (attention_avx512.cpp's scores_group, with
-// vdpbf16ps on the bf16 rows as they lie).
+// vdpbf16ps on the bf16 rows as they lie), asking for each line read the one
+// `ahead` elements on (prefetch_ahead; 0: none).
 template <int ROWS>
 inline int scores_group(const uint16_t* const* q, int r0, const __mmask16* masked, const uint16_t* keys, int n,
-                        int64_t D, float scale, uint16_t* const* o, int64_t c0) {
+                        int64_t D, float scale, uint16_t* const* o, int64_t c0, int64_t ahead, const uint16_t* end) {
   constexpr int KEYS = 16 / ROWS;
   return scores_tiles<ROWS>(r0, masked, n, scale, o, c0, [&](int k0, __m512* acc) {
     for (int64_t i = 0; i < D; i += 32) {
       __m512i qv[ROWS];
       for (int r = 0; r < ROWS; ++r) qv[r] = load_pairs(q[r0 + r] + i);
       for (int j = 0; j < KEYS; ++j) {
+        prefetch_ahead(keys + (k0 + j) * D + i, ahead, end);
         const __m512i kv = load_pairs(keys + (k0 + j) * D + i);
         for (int r = 0; r < ROWS; ++r) acc[r * KEYS + j] = dp(acc[r * KEYS + j], qv[r], kv);
       }
@@ -77,7 +79,8 @@ void scores_block(const uint16_t* const* q, const bool* const* m, uint16_t* cons
   for_score_chunks(m, o, rows, kb, L, D, [&](int64_t c0, int n, const __mmask16* masked) {
     for_groups(rows, [&](auto g, int r0) {
       constexpr int ROWS = decltype(g)::value;
-      const int done = scores_group<ROWS>(q, r0, masked, kb + c0 * D, n, D, scale, o, c0);
+      const int done = scores_group<ROWS>(q, r0, masked, kb + c0 * D, n, D, scale, o, c0,
+                                          rows <= 4 ? kKvAheadRows * D : 0, kb + L * D);
       if (done < n)
         for (int r = r0; r < r0 + ROWS; ++r)
           scores_row(q[r], kb + (c0 + done) * D, m[r] + c0 + done, o[r] + c0 + done, n - done, D, scale);
@@ -139,11 +142,16 @@ void scores_many(const uint16_t* const* q, const bool* const* m, uint16_t* const
 // 4 l + t) and then unpackhi (columns d0 + 8 l + 4 + t). The accumulators
 // keep that order; store_values puts the columns back.
 
-inline void interleave_pairs(const uint16_t* vb, int64_t c0, int64_t n, int64_t D, float* vp) {
+// Decode-sized blocks ask for the lines `ahead` elements past the two rows
+// (prefetch_ahead; 0: none).
+inline void interleave_pairs(const uint16_t* vb, int64_t c0, int64_t n, int64_t D, float* vp, int64_t ahead,
+                             const uint16_t* end) {
   for (int64_t j = 0; 2 * j < n; ++j) {
     const uint16_t* a = vb + (c0 + 2 * j) * D;
     const bool second = 2 * j + 1 < n;
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      prefetch_ahead(a + d0, ahead, end);
+      prefetch_ahead(a + D + d0, ahead, end);
       const __m512i va = load_pairs(a + d0), vb2 = second ? load_pairs(a + D + d0) : _mm512_setzero_si512();
       _mm512_storeu_si512(vp + j * D + d0, _mm512_unpacklo_epi16(va, vb2));
       _mm512_storeu_si512(vp + j * D + d0 + 16, _mm512_unpackhi_epi16(va, vb2));
@@ -235,10 +243,10 @@ inline void store_values(uint16_t* o, const float* acc, int64_t D) {
 void values_rows_of(const uint16_t* const* p, uint16_t* const* o, int rows, const int64_t* ends, const uint16_t* vb,
                     int64_t L, int64_t D, float* acc, float* vp, bool prefetch) {
   for (int64_t i = 0; i < rows * D; ++i) acc[i] = 0.0f;
-  if (prefetch) prefetch_rows(vb, 0, kBlockKeys, L, D);
+  if (prefetch) prefetch_rows(vb, 0, kKvAheadRows, L, D);
+  const int64_t ahead = prefetch ? kKvAheadRows * D : 0;
   for (int64_t c0 = 0; c0 < L; c0 += kBlockKeys) {
     const int64_t n = L - c0 < kBlockKeys ? L - c0 : kBlockKeys, pairs = (n + 1) / 2;
-    if (prefetch) prefetch_rows(vb, c0 + kBlockKeys, c0 + 2 * kBlockKeys, L, D);
     bool interleaved = false;
     for_groups(rows, [&](auto g, int r0) {
       constexpr int ROWS = decltype(g)::value;
@@ -249,7 +257,7 @@ void values_rows_of(const uint16_t* const* p, uint16_t* const* o, int rows, cons
         any |= live[r];
       }
       if (any == 0) return;  // every row's weights are 0 here: nothing to add
-      if (!interleaved) interleave_pairs(vb, c0, n, D, vp), interleaved = true;
+      if (!interleaved) interleave_pairs(vb, c0, n, D, vp, ahead, vb + L * D), interleaved = true;
       values_rows<ROWS>(acc + r0 * D, w, live, 0, vp, pairs, D);
     });
   }

@@ -230,11 +230,12 @@ static inline float bf16_value(uint16_t h) {
 // Asks for cache rows [from, to) of a block's keys or values (D elements
 // each, clipped to its L rows) to be brought into the cache. Decode-sized
 // blocks read their keys and values once each, from memory (the weights
-// streamed since the last step have evicted them): the kernels ask a chunk
-// or two ahead so that the loads of the current chunk do not wait. The
-// attention of a batch-8 decode step (Qwen3-0.6B shape, context ~56) took
-// 0.80-0.85x the time so (3 alternating runs, Zen 5 EPYC; docs/benchmarks.md,
-// 2026-12-05 second session).
+// streamed since the last step have evicted them): the kernels ask for the
+// first kKvAheadRows rows when they start, then (prefetch_ahead) the line
+// kKvAheadRows rows past each line they read. The attention of a batch-8
+// decode step (Qwen3-0.6B shape, context ~56) took 0.80-0.85x the time with
+// the rows asked a chunk or two ahead than without (3 alternating runs, Zen 5
+// EPYC; docs/benchmarks.md, 2026-12-05 second session).
 template <class E>
 static inline void prefetch_rows(const E* base, int64_t from, int64_t to, int64_t L, int64_t D) {
   if (to > L) to = L;
@@ -242,6 +243,29 @@ static inline void prefetch_rows(const E* base, int64_t from, int64_t to, int64_
   const char* b = reinterpret_cast<const char*>(base + from * D);
   const char* e = reinterpret_cast<const char*>(base + to * D);
   for (; b < e; b += 64) __builtin_prefetch(b, 0, 3);
+}
+
+// How far ahead (rows of the cache) decode-sized attention blocks ask for
+// their keys and values.
+constexpr int64_t kKvAheadRows = 32;
+
+// The line `ahead` elements past p, unless that is at or past end (the
+// block's last row): one request for each line a kernel reads, so that
+// memory is asked at the rate the kernel reads. Asking for a whole chunk's
+// rows at once (64 or 128 lines per chunk of 16 or 32 keys, prefetch_rows)
+// had stalled the kernels at each chunk until most of them came. The
+// attention of 28 layers at batch 8, context 1040 (Qwen3-0.6B shape, 954 MB
+// of cache; Turin-like Zen 5, alternating processes): AVX-512F kernels
+// 34.8-35.3 ms -> 29.0-29.7, vdpbf16ps 30.8-31.4 -> 29.7-30.2; at context
+// 100 the same within the noise (docs/benchmarks.md, 2026-12-07 seventh
+// session). The AVX2 kernels still ask a chunk ahead. ahead 0: nothing.
+// Always inlined: GCC 12 at -O2 and -O3 split the comparison off into a
+// function of its own (fnsplit), judged that function free of side effects
+// (a prefetch has none it can see) and dropped every call to it, prefetch
+// and all (checked in the generated code).
+template <class E>
+__attribute__((always_inline)) static inline void prefetch_ahead(const E* p, int64_t ahead, const E* end) {
+  if (ahead > 0 && ahead < end - p) __builtin_prefetch(p + ahead, 0, 3);
 }
 
 // Writes the accumulators of rows [m0, m0 + mr) x panel p (acc[r][0..64))
